@@ -1,0 +1,149 @@
+"""allreduce: every dtype x op x size on worlds 1-4, over shm, tcp and hybrid (fake two hosts).
+
+Each spawned job sweeps many cases inside its ranks (a spawn costs 1-2 s here) and returns the
+list of mismatches against a single-process torch reference; the test asserts that it is empty.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from _checks import DTYPES, Checker, assert_no_failures, expected_allreduce, rank_input, valid_ops
+from _dist import hybrid_env, spawn
+
+SIZES = [0, 1, 7, 1000]
+BIG = 2**20 + 3
+
+
+def _allreduce_cases(rank: int, sizes: list[int], big: bool) -> list[str]:
+    """Allreduce every dtype/op/size (and a few big and multi-dim tensors); return mismatches."""
+    import torchring
+    from torchring import ReduceOp
+
+    torchring.init()
+    try:
+        world = torchring.size()
+        chk = Checker(rank)
+        chk.true("size()", world == int(os.environ["WORLD_SIZE"]), f"size() = {world}")
+        cases = [(d, op, n) for d in DTYPES + [torch.bool] for op in valid_ops(d) for n in sizes]
+        if big:
+            cases += [(d, op, BIG) for d in (torch.float32, torch.bfloat16) for op in ("SUM", "AVG")]
+        for dtype, op, n in cases:
+            t = rank_input(rank, world, n, dtype, op)
+            out = torchring.allreduce(t, getattr(ReduceOp, op))
+            what = f"allreduce({dtype}[{n}], {op})"
+            chk.true(what, out is t, "did not return its input tensor")
+            chk.equal(what, t, expected_allreduce(world, n, dtype, op), exact=op != "AVG")
+        for dtype, op, shape in [(torch.float32, "SUM", (3, 5, 7)), (torch.int32, "MAX", (2, 1, 9))]:
+            t = rank_input(rank, world, math.prod(shape), dtype, op, shape)
+            torchring.allreduce(t, getattr(ReduceOp, op))
+            want = expected_allreduce(world, t.numel(), dtype, op, shape)
+            chk.equal(f"allreduce({dtype}{list(shape)}, {op})", t, want)
+        t = rank_input(rank, world, 1000, torch.float32)
+        torchring.allreduce(t)
+        chk.equal("allreduce with the default op", t, expected_allreduce(world, 1000, torch.float32, "SUM"))
+        return chk.failures
+    finally:
+        torchring.shutdown()
+
+
+def _async_cases(rank: int) -> list[str]:
+    """Issue several allreduce_async, one sync allreduce in between, then wait in order."""
+    import torchring
+    from torchring import ReduceOp
+
+    torchring.init()
+    try:
+        world = torchring.size()
+        chk = Checker(rank)
+        specs = [(torch.float32, "SUM", 1000), (torch.int64, "MAX", 7), (torch.bfloat16, "AVG", 4097),
+                 (torch.uint8, "PRODUCT", 33), (torch.float64, "MIN", 0), (torch.float32, "SUM", BIG),
+                 (torch.int8, "SUM", 1), (torch.float16, "PRODUCT", 999)]
+        pending = []
+        for dtype, op, n in specs:
+            t = rank_input(rank, world, n, dtype, op)
+            pending.append((torchring.allreduce_async(t, getattr(ReduceOp, op)), t, dtype, op, n))
+        mid = rank_input(rank, world, 100, torch.int32)
+        torchring.allreduce(mid)
+        chk.equal("sync allreduce between async ones", mid, expected_allreduce(world, 100, torch.int32, "SUM"))
+        for i, (handle, t, dtype, op, n) in enumerate(pending):
+            what = f"handle {i}: allreduce_async({dtype}[{n}], {op})"
+            chk.true(what, isinstance(handle.is_completed(), bool), "is_completed() is not a bool")
+            out = handle.wait(timeout=60) if i % 2 else handle.wait()
+            chk.true(what, out is t, "wait() did not return the input tensor")
+            chk.true(what, handle.is_completed() is True, "is_completed() is not True after wait()")
+            chk.equal(what, t, expected_allreduce(world, n, dtype, op), exact=op != "AVG")
+        t = rank_input(rank, world, 10, torch.float32)
+        torchring.allreduce_async(t).wait()
+        chk.equal("allreduce_async with the default op", t, expected_allreduce(world, 10, torch.float32, "SUM"))
+        return chk.failures
+    finally:
+        torchring.shutdown()
+
+
+def _shm_tensor_cases(rank: int) -> list[str]:
+    """torchring.empty tensors behave like torch tensors and allreduce to the same results."""
+    import torchring
+    from torchring import ReduceOp
+
+    torchring.init()
+    try:
+        world = torchring.size()
+        chk = Checker(rank)
+        kept = []
+        for shape, dtype, op in [((1000,), torch.float32, "SUM"), ((4, 250), torch.bfloat16, "MAX"),
+                                 ((BIG,), torch.float32, "SUM"), ((0,), torch.float32, "SUM"),
+                                 ((3, 7), torch.int64, "PRODUCT"), ((5,), torch.float64, "AVG")]:
+            what = f"torchring.empty({shape}, {dtype}) {op}"
+            t = torchring.empty(shape, dtype=dtype)
+            chk.true(what, tuple(t.shape) == shape and t.dtype == dtype and t.is_contiguous(),
+                     f"got {t.dtype}{list(t.shape)} contiguous={t.is_contiguous()}")
+            n = t.numel()
+            t.copy_(rank_input(rank, world, n, dtype, op, shape))
+            chk.equal(what + " holds what was copied in", t * 1, rank_input(rank, world, n, dtype, op, shape))
+            out = torchring.allreduce(t, getattr(ReduceOp, op))
+            chk.true(what, out is t, "did not return its input tensor")
+            chk.equal(what, t, expected_allreduce(world, n, dtype, op, shape), exact=op != "AVG")
+            kept.append(t)
+        default = torchring.empty((8,))
+        chk.true("torchring.empty default dtype", default.dtype == torch.float32, f"got {default.dtype}")
+        del kept  # freeing and allocating again must work
+        t = torchring.empty((1000,), dtype=torch.float32)
+        t.copy_(rank_input(rank, world, 1000, torch.float32))
+        torchring.allreduce(t)
+        chk.equal("torchring.empty after freeing others", t, expected_allreduce(world, 1000, torch.float32, "SUM"))
+        return chk.failures
+    finally:
+        torchring.shutdown()
+
+
+
+def test_world1() -> None:
+    assert_no_failures(spawn(1, _allreduce_cases, SIZES, True))
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_sweep(transport: str, world: int) -> None:
+    results = spawn(world, _allreduce_cases, SIZES, world < 4, env={"TORCHRING_TRANSPORT": transport})
+    assert_no_failures(results)
+
+
+@pytest.mark.parametrize("hosts", ["aabb", "abb"])
+def test_hybrid(hosts: str) -> None:
+    results = spawn(len(hosts), _allreduce_cases, SIZES, hosts == "abb", rank_env=hybrid_env(hosts))
+    assert_no_failures(results)
+
+
+@pytest.mark.parametrize("world,transport", [(2, "tcp"), (3, "shm")])
+def test_async(world: int, transport: str) -> None:
+    assert_no_failures(spawn(world, _async_cases, env={"TORCHRING_TRANSPORT": transport}))
+
+
+@pytest.mark.parametrize("world,transport", [(2, "shm"), (3, "tcp")])
+def test_shm_tensors(world: int, transport: str) -> None:
+    assert_no_failures(spawn(world, _shm_tensor_cases, env={"TORCHRING_TRANSPORT": transport}))

@@ -1,0 +1,109 @@
+"""Builds the C++ engine on first use and caches it.
+
+The cache key covers the torch version, the Python version, the compiler flags, the
+sources and the CPU's instruction set, so a new torch (or a new machine sharing a home
+directory) rebuilds instead of failing to import. A file lock makes the ranks of a job
+that start together build once: the first takes the lock and builds, the rest wait and
+load the result.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+_NAME = "torchring_C"
+_CSRC = Path(__file__).resolve().parent / "csrc"
+_CFLAGS = ["-O3", "-march=native", "-std=c++17", "-Wall", "-Wno-unused-function"]
+_module: ModuleType | None = None
+
+
+def sources() -> list[Path]:
+    """The engine's C++ sources (CPU build)."""
+    return sorted(p for p in _CSRC.glob("*.cpp"))
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def cache_key() -> str:
+    """Hash of everything the compiled engine depends on."""
+    h = hashlib.sha256()
+    for part in (torch.__version__, sys.version, " ".join(_CFLAGS), _cpu_flags()):
+        h.update(part.encode())
+    for path in sources() + sorted(_CSRC.glob("*.h")):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def build_dir() -> Path:
+    """Where this engine version is (or will be) built."""
+    root = os.environ.get("TORCHRING_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "torchring"
+    )
+    return Path(root) / f"{torch.__version__.replace('+', '_')}-{cache_key()}"
+
+
+def _import_built(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(_NAME, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def load(verbose: bool = False) -> ModuleType:
+    """Returns the engine module, building it first if this version is not cached."""
+    global _module
+    if _module is not None:
+        return _module
+    directory = build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    built = directory / f"{_NAME}.so"
+    if not built.exists():
+        with open(directory / "build.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not built.exists():
+                _compile(directory, verbose)
+    _module = _import_built(built)
+    return _module
+
+
+def _compile(directory: Path, verbose: bool) -> None:
+    from torch.utils import cpp_extension
+
+    start = time.time()
+    print(f"torchring: building the engine in {directory} (once per torch version)...",
+          file=sys.stderr, flush=True)
+    cpp_extension.load(
+        name=_NAME,
+        sources=[str(p) for p in sources()],
+        extra_cflags=_CFLAGS,
+        build_directory=str(directory),
+        verbose=verbose,
+        is_python_module=True,
+    )
+    print(f"torchring: engine built in {time.time() - start:.0f} s", file=sys.stderr, flush=True)
+
+
+def flags() -> list[str]:
+    """The compiler flags the engine is built with."""
+    return list(_CFLAGS)

@@ -1,0 +1,251 @@
+"""Process context: init(), shutdown() and the rendezvous that wires the engine up.
+
+Rendezvous goes through torch.distributed.TCPStore. All keys live under
+``torchring/{job}/{restart}/{generation}/`` so a restarted job (torchrun bumps the restart
+count) or a second init() in the same process never reads stale keys:
+
+1. rank 0 publishes ``secret``, a random per-job token checked in every TCP handshake;
+2. every rank publishes ``host/{rank}`` and reads all of them: ranks with the same host
+   identity form a local group (shared memory), the first rank of each host is its leader
+   (TCP ring between hosts);
+3. every rank creates its shared-memory segment, the leaders open a listening socket, and
+   each publishes ``info/{rank}`` = {host, addr, port, pid, shm};
+4. ranks map their local peers' segments, wait until the whole host has, and unlink their
+   own name (nothing stays in /dev/shm, even after a crash); leaders connect the ring.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from . import _build, _env
+from ._errors import TorchringError
+
+DEFAULT_TIMEOUT = 300.0
+
+
+@dataclass
+class _State:
+    launch: _env.Launch
+    comm: Any  # the engine's Communicator
+    local_rank: int
+    local_size: int
+    transport: str
+
+
+_state: _State | None = None
+_generation = 0
+_stores: dict[tuple[str, int], dist.Store] = {}
+
+
+def _env_float(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    if not value:
+        return default
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} must be a number of seconds") from None
+
+
+def _store(launch: _env.Launch, timeout: float) -> dist.Store:
+    key = (launch.master_addr, launch.master_port)
+    if key not in _stores:
+        is_master = launch.rank == 0 and not launch.use_agent_store
+        try:
+            _stores[key] = dist.TCPStore(
+                launch.master_addr, launch.master_port, launch.world_size, is_master,
+                timeout=timedelta(seconds=timeout), wait_for_workers=False,
+                use_libuv=True,
+            )
+        except Exception as exc:
+            role = "host" if is_master else "reach"
+            raise TorchringError(
+                f"rank {launch.rank}: cannot {role} the rendezvous store at "
+                f"{launch.master_addr}:{launch.master_port} ({exc}); check MASTER_ADDR/MASTER_PORT, "
+                "that the port is free on rank 0's host, and that rank 0 was started") from exc
+    return _stores[key]
+
+
+def _get(store: dist.Store, key: str, rank: int, what: str, timeout: float) -> bytes:
+    try:
+        store.wait([key], timedelta(seconds=timeout))
+        return store.get(key)
+    except Exception as exc:
+        raise TorchringError(
+            f"rank {rank}: rendezvous timed out after {timeout:g} s waiting for {what} "
+            f"(store key {key!r}); is every rank started with the same WORLD_SIZE, MASTER_ADDR "
+            "and MASTER_PORT, and is none of them dead?") from exc
+
+
+def _route_addr(master_addr: str) -> str:
+    """The local address on the route to the store's host (what peers can connect to)."""
+    override = os.environ.get("TORCHRING_ADDR")
+    if override:
+        return override
+    try:
+        target = socket.gethostbyname(master_addr)
+    except OSError:
+        target = master_addr
+    if target.startswith("127."):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((target, 9))
+        return probe.getsockname()[0]
+
+
+def _host_groups(hosts: list[str]) -> list[list[int]]:
+    """Ranks per host identity, hosts ordered by their smallest rank."""
+    groups: dict[str, list[int]] = {}
+    for rank, host in enumerate(hosts):
+        groups.setdefault(host, []).append(rank)
+    return list(groups.values())
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def init(timeout: float | None = None) -> None:
+    """Joins the job described by the launcher's environment (idempotent)."""
+    global _state, _generation
+    if _state is not None:
+        return
+    launch = _env.detect()
+    timeout = float(timeout) if timeout is not None else _env_float("TORCHRING_TIMEOUT", DEFAULT_TIMEOUT)
+    if timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout}")
+    transport = os.environ.get("TORCHRING_TRANSPORT", "auto").lower()
+    if transport not in ("auto", "shm", "tcp"):
+        raise ValueError(f"TORCHRING_TRANSPORT={transport!r}: expected auto, shm or tcp")
+    engine = _build.load()
+    rank, world = launch.rank, launch.world_size
+    prefix = f"torchring/{launch.job_id}/{launch.restart}/{_generation}/"
+    _generation += 1
+    host = os.environ.get("TORCHRING_HOSTNAME") or socket.gethostname()
+
+    store = _store(launch, timeout) if world > 1 else None
+    if store is not None:
+        if rank == 0:
+            store.set(prefix + "secret", secrets.token_hex(16))
+        secret = _get(store, prefix + "secret", rank, "rank 0's job secret", timeout).decode()
+        store.set(prefix + f"host/{rank}", host)
+        hosts = [host if r == rank else _get(store, prefix + f"host/{r}", rank,
+                                             f"rank {r} to join", timeout).decode()
+                 for r in range(world)]
+    else:
+        secret, hosts = "", [host]
+    real_groups = _host_groups(hosts)
+    groups = [[r] for r in range(world)] if transport == "tcp" else real_groups
+    my_real = next(g for g in real_groups if rank in g)
+
+    chunk_kb = int(_env_float("TORCHRING_SHM_CHUNK_KB", 1024))
+    arena_mb = int(_env_float("TORCHRING_SHM_ARENA_MB", 2048))
+    my_group = next(g for g in groups if rank in g)
+    spin = int(_env_float("TORCHRING_SPIN", 20000 if len(my_group) <= _cpu_count() else 200))
+    comm = engine.Communicator(rank=rank, size=world, hosts=groups, timeout=timeout,
+                               chunk_bytes=chunk_kb << 10, arena_bytes=arena_mb << 20,
+                               spin_iters=spin, secret=secret)
+    try:
+        if store is not None:
+            _wire(comm, store, prefix, launch, host, groups, timeout)
+        comm.start()
+    except BaseException:
+        comm.shutdown()
+        raise
+    local_rank = launch.local_rank if launch.local_rank is not None else my_real.index(rank)
+    local_size = launch.local_world_size if launch.local_world_size is not None else len(my_real)
+    used = "none" if world == 1 else "+".join(
+        t for t, on in (("shm", comm.has_shm), ("tcp", comm.num_hosts > 1)) if on)
+    _state = _State(launch, comm, local_rank, local_size, used or "none")
+
+
+def _wire(comm: Any, store: dist.Store, prefix: str, launch: _env.Launch, host: str,
+          groups: list[list[int]], timeout: float) -> None:
+    rank = launch.rank
+    shm_name = comm.create_shm(f"{os.getpid()}{secrets.token_hex(3)}") if comm.has_shm else ""
+    port, addr = None, None
+    if comm.is_leader and comm.num_hosts > 1:
+        addr = _route_addr(launch.master_addr)
+        bind = os.environ.get("TORCHRING_BIND_ADDR", "127.0.0.1" if addr.startswith("127.") else "")
+        port = comm.listen(bind)
+    info = {"host": host, "addr": addr, "port": port, "pid": os.getpid(), "shm": shm_name}
+    store.set(prefix + f"info/{rank}", json.dumps(info))
+
+    def info_of(r: int) -> dict:
+        return json.loads(_get(store, prefix + f"info/{r}", rank, f"rank {r}'s address", timeout))
+
+    group = groups[comm.host_index]
+    if comm.has_shm:
+        comm.attach_shm([shm_name if r == rank else info_of(r)["shm"] for r in group])
+        mapped = prefix + f"mapped/{comm.host_index}"
+        if store.add(mapped, 1) == len(group):
+            store.set(mapped + "/all", "1")
+        _get(store, mapped + "/all", rank, "every rank of this host to map shared memory", timeout)
+        comm.unlink_shm()
+    if comm.is_leader and comm.num_hosts > 1:
+        right = groups[(comm.host_index + 1) % len(groups)][0]
+        peer = info_of(right)
+        comm.connect_ring(peer["addr"], int(peer["port"]))
+
+
+def shutdown() -> None:
+    """Leaves the job: fails queued collectives and closes every connection."""
+    global _state
+    if _state is None:
+        return
+    state, _state = _state, None
+    state.comm.shutdown()
+
+
+def is_initialized() -> bool:
+    """True between init() and shutdown()."""
+    return _state is not None
+
+
+def _require(what: str) -> _State:
+    if _state is None:
+        raise RuntimeError(f"torchring.{what}() was called before torchring.init(); call "
+                           "torchring.init() once at the start of every rank")
+    return _state
+
+
+def rank() -> int:
+    """This process's rank in [0, size())."""
+    return _require("rank").launch.rank
+
+
+def size() -> int:
+    """Number of ranks in the job."""
+    return _require("size").launch.world_size
+
+
+def local_rank() -> int:
+    """This process's rank among the ranks on its host."""
+    return _require("local_rank").local_rank
+
+
+def local_size() -> int:
+    """Number of ranks on this host."""
+    return _require("local_size").local_size
+
+
+def transport() -> str:
+    """The transports in use: 'shm', 'tcp', 'shm+tcp', or 'none' for a single rank."""
+    return _require("transport").transport
+
+
+def communicator(what: str) -> Any:
+    """The engine communicator, or a RuntimeError naming `what` before init()."""
+    return _require(what).comm

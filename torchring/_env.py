@@ -1,0 +1,94 @@
+"""Where this process sits in the job, read from the launcher's environment.
+
+Order: the torchrun contract (RANK, WORLD_SIZE, ...), then Open MPI, then PMI (MPICH,
+Intel MPI), then SLURM; with none of them the job is a single process.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+DEFAULT_PORT = 29500
+
+
+@dataclass(frozen=True)
+class Launch:
+    """The process's place in the job and how to reach the rendezvous store."""
+
+    rank: int
+    world_size: int
+    local_rank: int | None
+    local_world_size: int | None
+    master_addr: str
+    master_port: int
+    use_agent_store: bool  # torchrun's agent already hosts the store: connect as a client
+    job_id: str
+    restart: int
+    source: str  # "torchrun", "openmpi", "pmi", "slurm" or "single"
+
+
+def _int(env: dict, name: str) -> int | None:
+    value = env.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} must be an integer") from None
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    """First host of a SLURM node list such as 'node[03-05,9],gpu1'."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
+    if not match:
+        return "127.0.0.1"
+    prefix, ranges = match.group(1), match.group(2)
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def detect(env: dict | None = None) -> Launch:
+    """Reads the launcher's variables (torchrun, Open MPI, PMI, SLURM) or returns world size 1."""
+    env = dict(os.environ if env is None else env)
+    job_id = env.get("TORCHRING_JOB_ID") or env.get("TORCHELASTIC_RUN_ID") or env.get(
+        "SLURM_JOB_ID") or "job"
+    restart = _int(env, "TORCHELASTIC_RESTART_COUNT") or 0
+    agent = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    port = _int(env, "MASTER_PORT")
+    if _int(env, "WORLD_SIZE") is not None:
+        source, rank, world = "torchrun", _int(env, "RANK"), _int(env, "WORLD_SIZE")
+        local_rank, local_world = _int(env, "LOCAL_RANK"), _int(env, "LOCAL_WORLD_SIZE")
+        if rank is None:
+            raise ValueError(f"WORLD_SIZE={world} is set but RANK is not; set RANK=0..{world - 1} "
+                             "for each process, or launch with torchrun / torchring-run")
+    elif _int(env, "OMPI_COMM_WORLD_SIZE") is not None:
+        source, rank, world = "openmpi", _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE")
+        local_rank = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK")
+        local_world = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE")
+    elif _int(env, "PMI_SIZE") is not None:
+        source, rank, world = "pmi", _int(env, "PMI_RANK"), _int(env, "PMI_SIZE")
+        local_rank, local_world = _int(env, "MPI_LOCALRANKID"), _int(env, "MPI_LOCALNRANKS")
+    elif _int(env, "SLURM_NTASKS") is not None and _int(env, "SLURM_PROCID") is not None:
+        source, rank, world = "slurm", _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
+        local_rank, local_world = _int(env, "SLURM_LOCALID"), None
+        env.setdefault("MASTER_ADDR", _first_slurm_host(env.get("SLURM_JOB_NODELIST", "")))
+        if port is None:
+            port = DEFAULT_PORT + (_int(env, "SLURM_JOB_ID") or 0) % 1000
+    else:
+        return Launch(0, 1, 0, 1, "127.0.0.1", 0, False, job_id, restart, "single")
+    assert rank is not None and world is not None
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is outside [0, {world}) (from {source} variables); "
+                         "check the launcher's world size")
+    addr = env.get("MASTER_ADDR")
+    if addr is None:
+        if world == (local_world or 0):
+            addr = "127.0.0.1"
+        else:
+            raise ValueError(f"rank {rank}: MASTER_ADDR is not set ({source} launch over several "
+                             "hosts); export MASTER_ADDR=<host of rank 0> (and MASTER_PORT) to every rank")
+    return Launch(rank, world, local_rank, local_world, addr, port or DEFAULT_PORT,
+                  agent, job_id, restart, source)

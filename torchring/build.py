@@ -1,0 +1,53 @@
+"""``python -m torchring.build``: build the engine now and report what was built.
+
+The answer to "was it built with what I think?" before a long job starts: transports,
+NCCL yes/no, compiler flags, and where the cached build lives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from . import _build
+
+
+def report() -> dict:
+    """Builds (or loads) the engine and returns what it was built with."""
+    start = time.time()
+    engine = _build.load()
+    info = dict(engine.build_info())
+    info.update(
+        torch=torch.__version__,
+        flags=" ".join(_build.flags()),
+        cache=str(_build.build_dir()),
+        load_seconds=round(time.time() - start, 2),
+    )
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point."""
+    parser = argparse.ArgumentParser(prog="python -m torchring.build", description=__doc__)
+    parser.add_argument("--verbose", action="store_true", help="show the compiler's output")
+    args = parser.parse_args(argv)
+    if args.verbose:
+        _build.load(verbose=True)
+    info = report()
+    print("torchring engine")
+    print(f"  transports : {', '.join(info['transports'])}")
+    print(f"  nccl       : {'yes' if info['nccl'] else 'no'}")
+    print(f"  cuda       : {'yes' if info['cuda'] else 'no'}")
+    print(f"  float16    : {info['float16_kernel']}")
+    print(f"  torch      : {info['torch']}")
+    print(f"  flags      : {info['flags']}")
+    print(f"  cache      : {info['cache']}")
+    print(f"  load time  : {info['load_seconds']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+// The only file that knows about Python: binds the communicator and its handles.
+// Every call that can block releases the GIL.
+#include <torch/extension.h>
+
+#include <optional>
+
+#include "communicator.h"
+
+namespace py = pybind11;
+using torchring::CommOptions;
+using torchring::Communicator;
+using torchring::OpKind;
+using torchring::ReduceOp;
+using torchring::Work;
+
+namespace {
+
+std::shared_ptr<Communicator> makeCommunicator(int rank, int size,
+                                               std::vector<std::vector<int>> hosts,
+                                               double timeout, size_t chunkBytes,
+                                               size_t arenaBytes, int spinIters,
+                                               std::string secret) {
+  CommOptions o;
+  o.rank = rank;
+  o.size = size;
+  o.hosts = std::move(hosts);
+  o.timeoutSec = timeout;
+  o.chunkBytes = chunkBytes;
+  o.arenaBytes = arenaBytes;
+  o.spinIters = spinIters;
+  o.secret = std::move(secret);
+  return std::make_shared<Communicator>(std::move(o));
+}
+
+py::dict buildInfo() {
+  py::dict info;
+  info["transports"] = py::make_tuple("shm", "tcp");
+  info["nccl"] = false;
+  info["cuda"] = false;
+#ifdef __FLT16_MAX__
+  info["float16_kernel"] = "_Float16";
+#else
+  info["float16_kernel"] = "c10::Half";
+#endif
+  return info;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "torchring engine";
+  // Engine failures become torchring.TorchringError, a class that exists before any build.
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const torchring::TorchringError& e) {
+      py::object cls = py::module_::import("torchring._errors").attr("TorchringError");
+      PyErr_SetString(cls.ptr(), e.what());
+    }
+  });
+  m.def("build_info", &buildInfo);
+
+  py::class_<Work, std::shared_ptr<Work>>(m, "Work")
+      .def("wait", &Work::wait, py::arg("timeout") = 0.0, py::call_guard<py::gil_scoped_release>())
+      .def("is_completed", &Work::isCompleted)
+      .def_property_readonly("seq", &Work::seq);
+
+  py::class_<Communicator, std::shared_ptr<Communicator>>(m, "Communicator")
+      .def(py::init(&makeCommunicator), py::arg("rank"), py::arg("size"), py::arg("hosts"),
+           py::arg("timeout"), py::arg("chunk_bytes"), py::arg("arena_bytes"),
+           py::arg("spin_iters"), py::arg("secret"))
+      .def("create_shm", &Communicator::createShm, py::call_guard<py::gil_scoped_release>())
+      .def("listen", &Communicator::listen, py::call_guard<py::gil_scoped_release>())
+      .def("attach_shm", &Communicator::attachShm, py::call_guard<py::gil_scoped_release>())
+      .def("unlink_shm", &Communicator::unlinkShm)
+      .def("connect_ring", &Communicator::connectRing, py::call_guard<py::gil_scoped_release>())
+      .def("start", &Communicator::start)
+      .def("shutdown", &Communicator::shutdown, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "submit",
+          [](Communicator& c, int kind, std::optional<at::Tensor> tensor, int op, int root,
+             bool runInline) {
+            at::Tensor t = tensor.has_value() ? *tensor : at::Tensor();
+            py::gil_scoped_release release;
+            return c.submit(static_cast<OpKind>(kind), std::move(t), static_cast<ReduceOp>(op),
+                            root, runInline);
+          },
+          py::arg("kind"), py::arg("tensor"), py::arg("op"), py::arg("root"), py::arg("inline"))
+      .def(
+          "empty_shared",
+          [](Communicator& c, std::vector<int64_t> sizes, at::ScalarType dtype) -> py::object {
+            at::Tensor t = c.emptyShared(sizes, dtype);
+            if (!t.defined()) return py::none();
+            return py::cast(t);
+          })
+      .def_property_readonly("local_index", &Communicator::localIndex)
+      .def_property_readonly("local_size", &Communicator::localSize)
+      .def_property_readonly("host_index", &Communicator::hostIndex)
+      .def_property_readonly("num_hosts", &Communicator::numHosts)
+      .def_property_readonly("is_leader", &Communicator::isLeader)
+      .def_property_readonly("has_shm", &Communicator::hasShm);
+}

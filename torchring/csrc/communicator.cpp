@@ -1,0 +1,390 @@
+#include "communicator.h"
+
+#include <cstring>
+#include <sstream>
+
+#include "reduce.h"
+
+namespace torchring {
+
+DType toDType(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat: return DType::F32;
+    case at::kDouble: return DType::F64;
+    case at::kHalf: return DType::F16;
+    case at::kBFloat16: return DType::BF16;
+    case at::kChar: return DType::I8;
+    case at::kByte: return DType::U8;
+    case at::kInt: return DType::I32;
+    case at::kLong: return DType::I64;
+    case at::kBool: return DType::BOOL;
+    default:
+      throw std::invalid_argument(std::string("torchring does not support dtype ") +
+                                  c10::toString(type));
+  }
+}
+
+bool Work::isCompleted() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return done_;
+}
+
+at::Tensor Work::wait(double timeoutSec) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (timeoutSec > 0) {
+    auto limit = std::chrono::duration<double>(timeoutSec);
+    if (!cv_.wait_for(lock, limit, [&] { return done_; })) {
+      std::ostringstream msg;
+      msg << kindName(kind_) << " #" << seq_ << ": Handle.wait(timeout=" << timeoutSec
+          << ") expired; the operation is still running (wait again, or raise the timeout)";
+      throw TorchringError(msg.str());
+    }
+  } else {
+    cv_.wait(lock, [&] { return done_; });
+  }
+  if (!error_.empty()) throw TorchringError(error_);
+  return result_;
+}
+
+void Work::finish(at::Tensor result, std::string error) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    result_ = std::move(result);
+    error_ = std::move(error);
+    done_ = true;
+  }
+  cv_.notify_all();
+}
+
+Communicator::Communicator(CommOptions options) : opt_(std::move(options)) {
+  rankHost_.assign(opt_.size, -1);
+  rankLocal_.assign(opt_.size, -1);
+  for (size_t h = 0; h < opt_.hosts.size(); ++h) {
+    for (size_t i = 0; i < opt_.hosts[h].size(); ++i) {
+      int r = opt_.hosts[h][i];
+      if (r < 0 || r >= opt_.size || rankHost_[r] != -1) {
+        throw std::invalid_argument("host table lists rank " + std::to_string(r) +
+                                    " twice or out of range");
+      }
+      rankHost_[r] = static_cast<int>(h);
+      rankLocal_[r] = static_cast<int>(i);
+    }
+  }
+  for (int r = 0; r < opt_.size; ++r) {
+    if (rankHost_[r] < 0) throw std::invalid_argument("host table misses rank " + std::to_string(r));
+  }
+  hostIndex_ = rankHost_[opt_.rank];
+  localIndex_ = rankLocal_[opt_.rank];
+  if (localSize() > 1) {
+    ShmOptions so;
+    so.worldSize = opt_.size;
+    so.localRanks = opt_.hosts[hostIndex_];
+    so.localIndex = localIndex_;
+    so.chunkBytes = opt_.chunkBytes;
+    so.arenaBytes = opt_.arenaBytes;
+    so.timeoutSec = opt_.timeoutSec;
+    so.spinIters = opt_.spinIters;
+    shm_ = std::make_unique<ShmGroup>(so);
+  }
+  if (numHosts() > 1 && isLeader()) {
+    TcpOptions to;
+    const int n = numHosts();
+    to.rank = opt_.rank;
+    to.ringIndex = hostIndex_;
+    to.ringSize = n;
+    to.leftRank = opt_.hosts[(hostIndex_ + n - 1) % n][0];
+    to.rightRank = opt_.hosts[(hostIndex_ + 1) % n][0];
+    to.secret = opt_.secret;
+    to.timeoutSec = opt_.timeoutSec;
+    tcp_ = std::make_unique<TcpRing>(to);
+  }
+}
+
+Communicator::~Communicator() { shutdown(); }
+
+std::string Communicator::createShm(const std::string& nameTag) {
+  return shm_ ? shm_->create(nameTag) : std::string();
+}
+
+int Communicator::listen(const std::string& bindAddr) { return tcp_ ? tcp_->listen(bindAddr) : -1; }
+
+void Communicator::attachShm(const std::vector<std::string>& names) {
+  if (shm_) shm_->attach(names);
+}
+
+void Communicator::unlinkShm() {
+  if (shm_) shm_->unlinkOwn();
+}
+
+void Communicator::connectRing(const std::string& rightAddr, int rightPort) {
+  if (tcp_) tcp_->connect(rightAddr, rightPort);
+}
+
+void Communicator::start() { worker_ = std::thread([this] { workerLoop(); }); }
+
+void Communicator::shutdown() {
+  std::deque<Op> dropped;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stopping_) return;
+    stopping_ = true;
+    dropped.swap(queue_);
+  }
+  cv_.notify_all();
+  for (auto& op : dropped) {
+    op.work->finish({}, "rank " + std::to_string(opt_.rank) + ": " +
+                            kindName(static_cast<OpKind>(op.header.kind)) + " #" +
+                            std::to_string(op.header.seq) +
+                            " was not run: torchring.shutdown() was called while it was queued");
+  }
+  if (worker_.joinable()) worker_.join();
+  if (tcp_) tcp_->close();
+  if (shm_) shm_->unlinkOwn();
+}
+
+std::shared_ptr<Work> Communicator::submit(OpKind kind, at::Tensor tensor, ReduceOp op, int root,
+                                           bool runInline) {
+  Op item;
+  item.header.kind = static_cast<uint8_t>(kind);
+  item.header.op = static_cast<uint8_t>(op);
+  item.header.root = root;
+  if (tensor.defined()) {
+    item.header.dtype = static_cast<uint8_t>(toDType(tensor.scalar_type()));
+    item.header.count = static_cast<uint64_t>(tensor.numel());
+    if (kind == OpKind::ALLGATHER) {
+      item.header.rows = tensor.dim() > 0 ? static_cast<uint64_t>(tensor.size(0)) : 1;
+      item.header.rowElems = 1;
+      for (int d = 1; d < tensor.dim(); ++d) item.header.rowElems *= static_cast<uint64_t>(tensor.size(d));
+    }
+    if (shm_ && kind == OpKind::ALLREDUCE) {
+      item.header.arenaOffset = shm_->arenaOffsetOf(tensor.data_ptr(), tensor.nbytes());
+    }
+  }
+  item.tensor = std::move(tensor);
+  std::unique_lock<std::mutex> lock(mutex_);
+  item.header.seq = nextSeq_++;
+  item.work = std::make_shared<Work>(kind, item.header.seq);
+  auto work = item.work;
+  if (stopping_) {
+    lock.unlock();
+    work->finish({}, "rank " + std::to_string(opt_.rank) + ": " + kindName(kind) +
+                         ": torchring was shut down; call torchring.init() first");
+    return work;
+  }
+  if (runInline && queue_.empty() && !busy_) {
+    busy_ = true;
+    lock.unlock();
+    execute(item);
+    lock.lock();
+    busy_ = false;
+    lock.unlock();
+    cv_.notify_all();
+    return work;
+  }
+  queue_.push_back(std::move(item));
+  lock.unlock();
+  cv_.notify_all();
+  return work;
+}
+
+void Communicator::workerLoop() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  for (;;) {
+    cv_.wait(lock, [&] { return stopping_ || (!queue_.empty() && !busy_); });
+    if (stopping_) return;
+    Op op = std::move(queue_.front());
+    queue_.pop_front();
+    busy_ = true;
+    lock.unlock();
+    execute(op);
+    lock.lock();
+    busy_ = false;
+    cv_.notify_all();
+  }
+}
+
+std::string Communicator::failedMessage(const OpHeader& header) const {
+  return "rank " + std::to_string(opt_.rank) + ": " +
+         kindName(static_cast<OpKind>(header.kind)) + " #" + std::to_string(header.seq) +
+         " was not run because the communicator failed earlier: " + failure_ +
+         " -- call torchring.shutdown() and torchring.init() to start over";
+}
+
+void Communicator::execute(Op& op) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!failure_.empty()) {
+      op.work->finish({}, failedMessage(op.header));
+      return;
+    }
+  }
+  std::string error;
+  at::Tensor result;
+  try {
+    result = run(op);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  if (!error.empty()) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (failure_.empty()) failure_ = error;
+    }
+    // Tell the peers: the host's group sees the abort at once, other hosts see the ring's
+    // sockets close, fail, and close theirs in turn.
+    if (shm_) shm_->abort(error);
+    if (tcp_) tcp_->close();
+  }
+  op.tensor = at::Tensor();
+  op.work->finish(std::move(result), std::move(error));
+}
+
+at::Tensor Communicator::run(Op& op) {
+  const OpHeader& header = op.header;
+  if (shm_) shm_->setCurrent(header);
+  if (tcp_) {
+    tcp_->setWhat(std::string(kindName(static_cast<OpKind>(header.kind))) + " #" +
+                  std::to_string(header.seq) + " " + header.describe());
+  }
+  std::vector<OpHeader> headers = exchangeHeaders(header);
+  checkHeaders(headers);
+  at::Tensor result = op.tensor;
+  char* data = op.tensor.defined() ? static_cast<char*>(op.tensor.data_ptr()) : nullptr;
+  switch (static_cast<OpKind>(header.kind)) {
+    case OpKind::ALLREDUCE:
+    case OpKind::REDUCE_SCATTER:
+      allreduce(data, header, headers);
+      break;
+    case OpKind::BROADCAST:
+      broadcast(data, op.tensor.nbytes(), header.root);
+      break;
+    case OpKind::ALLGATHER:
+      result = allgather(op.tensor, headers);
+      break;
+    case OpKind::BARRIER:
+      break;
+  }
+  if (shm_) shm_->markDone(header.seq);
+  return result;
+}
+
+// Every rank learns every rank's header: within a host through shared memory, between
+// hosts by a ring allgather among the leaders, who then publish the full table locally.
+std::vector<OpHeader> Communicator::exchangeHeaders(const OpHeader& header) {
+  std::vector<OpHeader> all(opt_.size);
+  all[opt_.rank] = header;
+  if (shm_) shm_->exchangeHeaders(header, all);
+  if (numHosts() == 1) return all;
+  if (isLeader()) {
+    std::vector<std::vector<Span>> blocks(numHosts());
+    for (int h = 0; h < numHosts(); ++h) {
+      for (int r : opt_.hosts[h]) blocks[h].push_back({reinterpret_cast<char*>(&all[r]), sizeof(OpHeader)});
+    }
+    tcp_->allgather(blocks);
+    if (shm_) shm_->publishAllHeaders(all);
+  } else {
+    shm_->receiveAllHeaders(header.seq, all);
+  }
+  return all;
+}
+
+void Communicator::checkHeaders(const std::vector<OpHeader>& headers) const {
+  const OpHeader& first = headers[0];
+  for (int r = 1; r < opt_.size; ++r) {
+    const OpHeader& other = headers[r];
+    if (other.matches(first)) continue;
+    std::ostringstream msg;
+    if (first.kind == other.kind) {
+      msg << kindName(static_cast<OpKind>(first.kind)) << " #" << first.seq << ": rank 0 sent "
+          << first.describe() << ", rank " << r << " sent " << other.describe();
+    } else {
+      msg << "collective #" << first.seq << ": rank 0 sent "
+          << kindName(static_cast<OpKind>(first.kind)) << " " << first.describe() << ", rank "
+          << r << " sent " << kindName(static_cast<OpKind>(other.kind)) << " "
+          << other.describe();
+    }
+    msg << " (seen by rank " << opt_.rank
+        << "); every rank must issue the same collectives in the same order with the same "
+           "element count, dtype, op and root";
+    throw TorchringError(msg.str());
+  }
+}
+
+void Communicator::allreduce(char* data, const OpHeader& header,
+                             const std::vector<OpHeader>& headers) {
+  const auto dtype = static_cast<DType>(header.dtype);
+  auto op = static_cast<ReduceOp>(header.op);
+  const double scale = op == ReduceOp::AVG ? 1.0 / opt_.size : 1.0;
+  if (op == ReduceOp::AVG) op = ReduceOp::SUM;
+  const size_t count = header.count;
+  if (numHosts() == 1) {
+    if (shm_) shm_->allreduce(data, count, dtype, op, scale, headers);
+    else if (scale != 1.0) scaleInPlace(data, count, dtype, scale);
+    return;
+  }
+  if (shm_) shm_->allreduce(data, count, dtype, op, 1.0, headers);
+  if (tcp_) tcp_->allreduce(data, count, dtype, op);
+  if (shm_) shm_->broadcast(data, count * elementSize(dtype), 0);
+  if (scale != 1.0) scaleInPlace(data, count, dtype, scale);
+}
+
+// Broadcast: first within the root's host, then among leaders, then within other hosts.
+void Communicator::broadcast(char* data, size_t bytes, int root) {
+  const int rootHost = rankHost_[root];
+  if (shm_ && hostIndex_ == rootHost) shm_->broadcast(data, bytes, rankLocal_[root]);
+  if (numHosts() == 1) return;
+  if (tcp_) tcp_->broadcast(data, bytes, rootHost);
+  if (shm_ && hostIndex_ != rootHost) shm_->broadcast(data, bytes, 0);
+}
+
+// Allgather with a different dim-0 size per rank: gather within the host, exchange whole
+// host blocks around the leaders' ring, then the leader hands the full result to its host.
+at::Tensor Communicator::allgather(const at::Tensor& input, const std::vector<OpHeader>& headers) {
+  const size_t esize = input.element_size();
+  std::vector<size_t> offset(opt_.size + 1, 0);
+  int64_t rows = 0;
+  for (int r = 0; r < opt_.size; ++r) {
+    offset[r + 1] = offset[r] + headers[r].count * esize;
+    rows += static_cast<int64_t>(headers[r].rows);
+  }
+  std::vector<int64_t> sizes = input.sizes().vec();
+  if (sizes.empty()) sizes.push_back(1);
+  sizes[0] = rows;
+  at::Tensor out = at::empty(sizes, input.options());
+  char* dst = static_cast<char*>(out.data_ptr());
+  const char* src = static_cast<const char*>(input.data_ptr());
+  const auto& local = opt_.hosts[hostIndex_];
+  if (shm_) {
+    std::vector<std::pair<size_t, size_t>> pieces;
+    for (int r : local) pieces.emplace_back(offset[r], offset[r + 1] - offset[r]);
+    shm_->allgather(src, dst, pieces);
+  } else {
+    std::memcpy(dst + offset[opt_.rank], src, offset[opt_.rank + 1] - offset[opt_.rank]);
+  }
+  if (numHosts() > 1) {
+    if (tcp_) {
+      std::vector<std::vector<Span>> blocks(numHosts());
+      for (int h = 0; h < numHosts(); ++h) {
+        for (int r : opt_.hosts[h]) blocks[h].push_back({dst + offset[r], offset[r + 1] - offset[r]});
+      }
+      tcp_->allgather(blocks);
+    }
+    if (shm_) shm_->broadcast(dst, offset[opt_.size], 0);
+  }
+  return out;
+}
+
+at::Tensor Communicator::emptyShared(at::IntArrayRef sizes, at::ScalarType dtype) {
+  if (!shm_ || !shm_->arena()) return at::Tensor();
+  auto options = at::TensorOptions().dtype(dtype);
+  int64_t numel = 1;
+  for (auto s : sizes) numel *= s;
+  size_t bytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
+  auto arena = shm_->arena();
+  int64_t offset = arena->alloc(bytes);
+  if (offset < 0) return at::Tensor();
+  return at::from_blob(arena->base() + offset, sizes, [arena, offset](void*) { arena->free(offset); },
+                       options);
+}
+
+}  // namespace torchring

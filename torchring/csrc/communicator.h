@@ -1,0 +1,117 @@
+// The per-process communicator: topology, an ordered queue of collectives, the progress
+// thread that runs them, and the handles (Work) that callers wait on.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common.h"
+#include "shm.h"
+#include "tcp.h"
+
+namespace torchring {
+
+struct CommOptions {
+  int rank = 0;
+  int size = 1;
+  // Ranks of each host, hosts ordered by their smallest rank, ranks ascending. The first
+  // rank of a host is its leader: the only one that talks TCP to other hosts.
+  std::vector<std::vector<int>> hosts;
+  double timeoutSec = 300;
+  size_t chunkBytes = 1 << 20;
+  size_t arenaBytes = 0;
+  int spinIters = 20000;
+  std::string secret;
+};
+
+// Completion handle of one queued collective.
+class Work {
+ public:
+  Work(OpKind kind, uint64_t seq) : kind_(kind), seq_(seq) {}
+  bool isCompleted();
+  // Blocks until done (timeoutSec <= 0: no limit) and rethrows the operation's failure.
+  at::Tensor wait(double timeoutSec);
+  void finish(at::Tensor result, std::string error);
+  uint64_t seq() const { return seq_; }
+
+ private:
+  OpKind kind_;
+  uint64_t seq_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::string error_;
+  at::Tensor result_;
+};
+
+class Communicator {
+ public:
+  explicit Communicator(CommOptions options);
+  ~Communicator();
+
+  // Bootstrap, in this order (Python exchanges the results through the store between steps).
+  std::string createShm(const std::string& nameTag);      // when localSize() > 1
+  int listen(const std::string& bindAddr);                  // when leader and numHosts() > 1
+  void attachShm(const std::vector<std::string>& names);
+  void unlinkShm();
+  void connectRing(const std::string& rightAddr, int rightPort);
+  void start();
+  // Fails queued operations, stops the progress thread and closes every transport.
+  void shutdown();
+
+  // Queues a collective on `tensor` and returns its handle. Operations run in submission
+  // order, which must be the same on every rank. With runInline, an idle communicator runs
+  // it on the calling thread (no hand-off latency) and the handle is complete on return.
+  std::shared_ptr<Work> submit(OpKind kind, at::Tensor tensor, ReduceOp op, int root,
+                               bool runInline);
+  // A tensor in this rank's shared-memory arena, or an undefined tensor if none is left.
+  at::Tensor emptyShared(at::IntArrayRef sizes, at::ScalarType dtype);
+
+  int localIndex() const { return localIndex_; }
+  int localSize() const { return static_cast<int>(opt_.hosts[hostIndex_].size()); }
+  int hostIndex() const { return hostIndex_; }
+  int numHosts() const { return static_cast<int>(opt_.hosts.size()); }
+  bool isLeader() const { return localIndex_ == 0; }
+  bool hasShm() const { return shm_ != nullptr; }
+
+ private:
+  struct Op {
+    OpHeader header;
+    at::Tensor tensor;
+    std::shared_ptr<Work> work;
+  };
+  void workerLoop();
+  void execute(Op& op);
+  at::Tensor run(Op& op);
+  std::vector<OpHeader> exchangeHeaders(const OpHeader& header);
+  void checkHeaders(const std::vector<OpHeader>& headers) const;
+  void allreduce(char* data, const OpHeader& header, const std::vector<OpHeader>& headers);
+  void broadcast(char* data, size_t bytes, int root);
+  at::Tensor allgather(const at::Tensor& input, const std::vector<OpHeader>& headers);
+  std::string failedMessage(const OpHeader& header) const;
+
+  CommOptions opt_;
+  int hostIndex_ = 0, localIndex_ = 0;
+  std::vector<int> rankHost_, rankLocal_;
+  std::unique_ptr<ShmGroup> shm_;
+  std::unique_ptr<TcpRing> tcp_;
+
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<Op> queue_;
+  bool busy_ = false, stopping_ = false;
+  uint64_t nextSeq_ = 0;
+  std::string failure_;  // first failure; every later operation reports it
+  std::thread worker_;
+};
+
+DType toDType(at::ScalarType type);
+
+}  // namespace torchring

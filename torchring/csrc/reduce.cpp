@@ -1,0 +1,160 @@
+// Reduction kernels.
+//
+// The n-way reduction walks the inputs in blocks of kBlock elements. For each block it
+// loads srcs[0] into an accumulator array `acc` (float32 for 16-bit floats), folds in
+// srcs[1..n-1] one after another while the block stays in L1, optionally scales, and
+// stores the block to dst (and dst2). Each inner loop is a plain loop over `acc`, which
+// the compiler vectorizes (the build uses -O3 and the host's instruction set). bfloat16
+// is widened by a shift and narrowed with round-to-nearest-even; float16 uses the
+// compiler's _Float16 conversions (F16C instructions where the CPU has them).
+#include "reduce.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include <c10/util/Half.h>
+
+namespace torchring {
+namespace {
+
+constexpr size_t kBlock = 512;
+
+struct BF16 {
+  uint16_t bits;
+};
+struct F16 {
+  uint16_t bits;
+};
+
+template <typename T>
+struct Codec {  // identity: the accumulator is T itself
+  using Acc = T;
+  static inline Acc load(T v) { return v; }
+  static inline T store(Acc v) { return v; }
+};
+
+template <>
+struct Codec<BF16> {
+  using Acc = float;
+  static inline float load(BF16 v) {
+    uint32_t u = static_cast<uint32_t>(v.bits) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  static inline BF16 store(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    uint32_t nan = (u >> 16) | 0x40u;  // keep NaN a (quiet) NaN
+    bool isNan = (u & 0x7FFFFFFFu) > 0x7F800000u;
+    return BF16{static_cast<uint16_t>(isNan ? nan : rounded)};
+  }
+};
+
+template <>
+struct Codec<F16> {
+  using Acc = float;
+#ifdef __FLT16_MAX__
+  static inline float load(F16 v) {
+    _Float16 h;
+    std::memcpy(&h, &v.bits, 2);
+    return static_cast<float>(h);
+  }
+  static inline F16 store(float f) {
+    _Float16 h = static_cast<_Float16>(f);
+    F16 out;
+    std::memcpy(&out.bits, &h, 2);
+    return out;
+  }
+#else
+  static inline float load(F16 v) { return static_cast<float>(c10::Half(v.bits, c10::Half::from_bits())); }
+  static inline F16 store(float f) { return F16{c10::Half(f).x}; }
+#endif
+};
+
+struct Sum {
+  template <typename A>
+  static inline A apply(A a, A b) { return a + b; }
+};
+struct Prod {
+  template <typename A>
+  static inline A apply(A a, A b) { return a * b; }
+};
+struct Min {
+  template <typename A>
+  static inline A apply(A a, A b) { return b < a ? b : a; }
+};
+struct Max {
+  template <typename A>
+  static inline A apply(A a, A b) { return a < b ? b : a; }
+};
+
+template <typename T, typename Op>
+void reduceBlocks(T* dst, T* dst2, const T* const* srcs, int nsrc, size_t count,
+                  double scale) {
+  using C = Codec<T>;
+  using Acc = typename C::Acc;
+  alignas(64) Acc acc[kBlock];
+  const bool doScale = scale != 1.0;
+  const Acc s = static_cast<Acc>(scale);
+  for (size_t base = 0; base < count; base += kBlock) {
+    const size_t len = std::min(kBlock, count - base);
+    const T* first = srcs[0] + base;
+    for (size_t i = 0; i < len; ++i) acc[i] = C::load(first[i]);
+    for (int p = 1; p < nsrc; ++p) {
+      const T* src = srcs[p] + base;
+      for (size_t i = 0; i < len; ++i) acc[i] = Op::apply(acc[i], C::load(src[i]));
+    }
+    if (doScale) {
+      for (size_t i = 0; i < len; ++i) acc[i] = acc[i] * s;
+    }
+    T* out = dst + base;
+    for (size_t i = 0; i < len; ++i) out[i] = C::store(acc[i]);
+    if (dst2 != nullptr) std::memcpy(dst2 + base, out, len * sizeof(T));
+  }
+}
+
+template <typename T>
+void reduceTyped(void* dst, void* dst2, const void* const* srcs, int nsrc, size_t count,
+                 ReduceOp op, double scale) {
+  auto* d = static_cast<T*>(dst);
+  auto* d2 = static_cast<T*>(dst2);
+  auto* s = reinterpret_cast<const T* const*>(srcs);
+  switch (op) {
+    case ReduceOp::SUM:
+    case ReduceOp::AVG:
+      return reduceBlocks<T, Sum>(d, d2, s, nsrc, count, scale);
+    case ReduceOp::PRODUCT:
+      return reduceBlocks<T, Prod>(d, d2, s, nsrc, count, scale);
+    case ReduceOp::MIN:
+      return reduceBlocks<T, Min>(d, d2, s, nsrc, count, scale);
+    case ReduceOp::MAX:
+      return reduceBlocks<T, Max>(d, d2, s, nsrc, count, scale);
+  }
+}
+
+}  // namespace
+
+void reduceInto(void* dst, void* dst2, const void* const* srcs, int nsrc, size_t count,
+                DType dtype, ReduceOp op, double scale) {
+  if (count == 0) return;
+  switch (dtype) {
+    case DType::F32: return reduceTyped<float>(dst, dst2, srcs, nsrc, count, op, scale);
+    case DType::F64: return reduceTyped<double>(dst, dst2, srcs, nsrc, count, op, scale);
+    case DType::F16: return reduceTyped<F16>(dst, dst2, srcs, nsrc, count, op, scale);
+    case DType::BF16: return reduceTyped<BF16>(dst, dst2, srcs, nsrc, count, op, scale);
+    case DType::I8: return reduceTyped<int8_t>(dst, dst2, srcs, nsrc, count, op, 1.0);
+    case DType::U8:
+    case DType::BOOL: return reduceTyped<uint8_t>(dst, dst2, srcs, nsrc, count, op, 1.0);
+    case DType::I32: return reduceTyped<int32_t>(dst, dst2, srcs, nsrc, count, op, 1.0);
+    case DType::I64: return reduceTyped<int64_t>(dst, dst2, srcs, nsrc, count, op, 1.0);
+  }
+}
+
+void scaleInPlace(void* data, size_t count, DType dtype, double scale) {
+  const void* srcs[1] = {data};
+  reduceInto(data, nullptr, srcs, 1, count, dtype, ReduceOp::SUM, scale);
+}
+
+}  // namespace torchring

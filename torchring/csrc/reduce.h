@@ -1,0 +1,19 @@
+// Element-wise reduction kernels used by every transport.
+#pragma once
+
+#include "common.h"
+
+namespace torchring {
+
+// dst[i] = srcs[0][i] op srcs[1][i] op ... op srcs[nsrc-1][i], for i < count, then
+// multiplied by `scale` when scale != 1 (floating dtypes only; AVG uses 1/world).
+// Reads each source once and writes dst (and dst2 when not null) once: the n-way
+// reduction is one pass, not n-1 pairwise passes. dst may alias any source.
+// float16/bfloat16 accumulate in float32 and are rounded once, to nearest even.
+void reduceInto(void* dst, void* dst2, const void* const* srcs, int nsrc, size_t count,
+                DType dtype, ReduceOp op, double scale = 1.0);
+
+// data[i] *= scale for a floating dtype (used once at the end of a multi-stage AVG).
+void scaleInPlace(void* data, size_t count, DType dtype, double scale);
+
+}  // namespace torchring

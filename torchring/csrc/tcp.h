@@ -1,0 +1,63 @@
+// TCP ring between hosts: each member sends to its right neighbour and receives from its
+// left one, over two sockets (one per direction).
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "common.h"
+
+namespace torchring {
+
+struct Span {
+  char* data;
+  size_t bytes;
+};
+
+struct TcpOptions {
+  int rank = 0;              // global rank of this process
+  int ringIndex = 0;         // position in the ring (host index)
+  int ringSize = 1;
+  int leftRank = 0, rightRank = 0;  // global ranks of the neighbours
+  std::string secret;        // per-job secret from the store, checked in the handshake
+  double timeoutSec = 300;   // a transfer that makes no progress this long fails
+  size_t segmentBytes = 256 << 10;  // unit of pipelining in allreduce and broadcast
+};
+
+class TcpRing {
+ public:
+  explicit TcpRing(TcpOptions options);
+  ~TcpRing();
+
+  // Listens on `bindAddr` (all interfaces when empty) on a free port and returns it.
+  int listen(const std::string& bindAddr);
+  // Connects to the right neighbour and accepts the left one. Connections that fail the
+  // handshake (garbage, wrong secret, wrong rank) are logged, closed and ignored.
+  void connect(const std::string& rightAddr, int rightPort);
+  void close();
+
+  // Ring collectives over raw memory, see tcp.cpp for the algorithms.
+  void allreduce(char* data, size_t count, DType dtype, ReduceOp op);
+  void broadcast(char* data, size_t bytes, int rootIndex);
+  // blocks[i] = the spans of ring member i; this member's block is already in place.
+  void allgather(const std::vector<std::vector<Span>>& blocks);
+
+  void setWhat(const std::string& what) { what_ = what; }
+
+ private:
+  // Sends `send` to the right while receiving `recv` from the left; onRecv(bytes so far)
+  // runs after every read so the caller can consume completed segments.
+  void exchange(const std::vector<Span>& send, const std::vector<Span>& recv,
+                const std::function<void(size_t)>& onRecv = nullptr);
+  [[noreturn]] void fail(const std::string& why, bool left) const;
+  bool acceptOne(double deadlineSec);
+
+  TcpOptions opt_;
+  int listenFd_ = -1, sendFd_ = -1, recvFd_ = -1;
+  std::string leftDesc_, rightDesc_;
+  std::string what_ = "setup";
+  std::vector<char> scratch_;
+};
+
+}  // namespace torchring
