@@ -5,13 +5,13 @@
     python benchmarks/allreduce.py --worlds 2 --sizes 1M,64M --dtypes fp32 --json bench-1.json
     python benchmarks/allreduce.py --transport tcp      # force torchring's TCP ring
 
-Method (docs: reference perf.md 5 and 6.1): the ranks of one world are spawned once and join both a
-gloo process group and torchring over the same agent store. Per size and library: a correctness
+Method (nccl-tests' columns, the project's perf notes 5 and 6.1): the ranks of one world are spawned
+once and join both a gloo process group and torchring over the same agent store. Per size and library: a correctness
 check against the analytic sum (#wrong, summed over ranks), a warm-up that also calibrates `iters`
 so one trial takes about --trial-s seconds, then --trials trials, each a barrier and `iters`
 back-to-back in-place allreduces timed as the mean per call. A trial's time is the max over
-ranks; the table shows the median over trials. algbw = bytes/time, busbw = algbw*2(n-1)/n
-(nccl-tests), ratio = gloo time / torchring time. Every rank runs torch.set_num_threads(1).
+ranks; the table shows the median over trials. algbw = bytes/time and busbw = algbw*2(n-1)/n in
+GB/s; ratio = gloo time / torchring time (above 1: torchring is faster). Every rank runs torch.set_num_threads(1).
 A single-thread `copy_` of 256 MiB (STREAM counting: read + write) is the memory reference.
 """
 
@@ -32,7 +32,8 @@ from typing import Any, Callable
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # torchring from this checkout
+# Import torchring from this checkout even when it is not installed.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
@@ -130,8 +131,8 @@ def measure(lib: Lib, rank: int, world: int, count: int, dtype: torch.dtype, tri
 def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any) -> None:
     """One rank: join gloo and torchring, sweep dtypes x sizes, rank 0 reports each row."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
-                      TORCHELASTIC_RESTART_COUNT="0")
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
     if args.transport != "auto":
         os.environ["TORCHRING_TRANSPORT"] = args.transport
     try:
@@ -225,7 +226,8 @@ def machine_info() -> dict[str, Any]:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "host": platform.node(), "cpu": cpu,
+    return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
+            "cpu": cpu,
             "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
             "loadavg": os.getloadavg()}
 
@@ -233,13 +235,15 @@ def machine_info() -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--worlds", default="2,4", help="comma-separated world sizes (default 2,4)")
-    parser.add_argument("--sizes", default=DEFAULT_SIZES, help=f"message sizes in bytes, K/M/G suffixes (default {DEFAULT_SIZES})")
+    parser.add_argument("--sizes", default=DEFAULT_SIZES,
+                        help=f"message sizes in bytes, K/M/G suffixes (default {DEFAULT_SIZES})")
     parser.add_argument("--dtypes", default="fp32,bf16", help="fp32 and/or bf16 (default both)")
     parser.add_argument("--trials", type=int, default=5, help="timed trials per point (default 5)")
     parser.add_argument("--trial-s", type=float, default=0.15, help="target seconds per trial (default 0.15)")
-    parser.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp"], help="TORCHRING_TRANSPORT")
+    parser.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp"],
+                        help="TORCHRING_TRANSPORT")
     parser.add_argument("--alloc", default="torch", choices=["torch", "shm"],
-                        help="allocate torchring's tensors with torch.empty or torchring.empty (zero-copy shm)")
+                        help="allocate torchring's tensors with torch.empty or torchring.empty (zero-copy)")
     parser.add_argument("--libs", default="torchring,gloo", help="torchring and/or gloo (default both)")
     parser.add_argument("--json", help="also write every measurement to this JSON file")
     parser.add_argument("--quick", action="store_true", help="world 2; 4K,1M,16M; 3 trials of ~0.1 s")
@@ -252,7 +256,8 @@ def main() -> None:
     print(f"# allreduce: torchring vs gloo  ({info['date']}, {info['cpu']}, {info['cores']} cores, "
           f"torch {info['torch']}, loadavg {info['loadavg'][0]:.2f})")
     print(f"memory reference: copy_ 1 thread 256 MiB = {info['copy_t1_GBps']:.1f} GB/s; "
-          f"torchring transport={args.transport} alloc={args.alloc}; times are medians of {args.trials} trials\n")
+          f"torchring transport={args.transport} alloc={args.alloc}; "
+          f"times are medians of {args.trials} trials\n")
     rows: list[dict] = []
     for world in map(int, args.worlds.split(",")):
         over = world > (os.cpu_count() or 1)

@@ -34,7 +34,8 @@ def rank_input(rank: int, world: int, numel: int, dtype: torch.dtype, op: str = 
     if dtype == torch.bool:
         x = (h % (rank + 2)) == 0
     elif op == "PRODUCT":
-        x = torch.tensor([1, 2, -1] if dtype != torch.uint8 else [1, 2, 2])[(i // (rank + 1) + i // 7 + rank) % 3]
+        choices = torch.tensor([1, 2, -1] if dtype != torch.uint8 else [1, 2, 2])
+        x = choices[(i // (rank + 1) + i // 7 + rank) % 3]
     else:
         x = h % 31 if dtype == torch.uint8 else h % 31 - 15
         if op == "AVG":
@@ -99,6 +100,23 @@ class Checker:
     def true(self, what: str, cond: bool, why: str = "condition is false") -> None:
         if not cond:
             self.fail(what, why)
+
+
+def check_transport(chk: Checker) -> None:
+    """If torchring reports its transport, it must be the one TORCHRING_TRANSPORT/_HOSTNAME asked for."""
+    import os
+
+    import torchring
+
+    reported = getattr(torchring, "transport", None)
+    if reported is None or torchring.size() == 1:
+        return
+    got = reported()
+    asked = os.environ.get("TORCHRING_TRANSPORT", "auto")
+    if "TORCHRING_HOSTNAME" in os.environ:
+        chk.true("transport() with fake hosts", "tcp" in got, f"got {got!r}")
+    elif asked in ("shm", "tcp"):
+        chk.true(f"transport() with TORCHRING_TRANSPORT={asked}", got == asked, f"got {got!r}")
 
 
 def assert_no_failures(results: list[list[str]]) -> None:

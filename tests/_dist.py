@@ -17,9 +17,11 @@ import datetime
 import faulthandler
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import socket
 import tempfile
+import threading
 import time
 import traceback
 import uuid
@@ -54,7 +56,7 @@ class Outcome:
 
     def describe(self) -> str:
         if self.hung:
-            return f"rank {self.rank} hung"
+            return f"rank {self.rank} hung; its Python stacks:\n{self.error}"
         if self.error is not None:
             return f"rank {self.rank} raised:\n{self.error}"
         if self.exitcode != 0:
@@ -90,6 +92,53 @@ def hybrid_env(hosts: Sequence[str]) -> list[dict[str, str]]:
         out.append({"TORCHRING_HOSTNAME": host, "LOCAL_RANK": str(peers.index(rank)),
                     "LOCAL_WORLD_SIZE": str(len(peers))})
     return out
+
+
+class StoreGate:
+    """A TCP proxy in front of the store for one rank that can freeze that rank's rendezvous.
+
+    Point a rank's MASTER_PORT at ``gate.port`` and call ``gate.open(store_port)`` once the store
+    exists. Traffic flows until the rank sends bytes containing ``trigger`` (e.g. the key it
+    publishes); that request, and everything after it, waits until ``release()``.
+    """
+
+    def __init__(self, trigger: bytes) -> None:
+        self.trigger = trigger
+        self._upstream: int | None = None
+        self._ready, self._released = threading.Event(), threading.Event()
+        self.held = threading.Event()  # set once the trigger was seen
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def open(self, store_port: int) -> None:
+        self._upstream = store_port
+        self._ready.set()
+
+    def release(self) -> None:
+        self._released.set()
+
+    def _serve(self) -> None:
+        while True:
+            client, _ = self._listener.accept()
+            self._ready.wait()
+            upstream = socket.create_connection(("127.0.0.1", self._upstream))
+            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, gated: bool) -> None:
+        tail = b""
+        try:
+            while data := src.recv(65536):
+                if gated and not self._released.is_set():
+                    if self.trigger in tail + data:
+                        self.held.set()
+                        self._released.wait()
+                    tail = data[-len(self.trigger):]
+                dst.sendall(data)
+            dst.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
 
 
 def spawn(world_size: int, fn: Callable[..., Any], *args: Any, env: dict[str, str] | None = None,
@@ -128,7 +177,8 @@ def spawn(world_size: int, fn: Callable[..., Any], *args: Any, env: dict[str, st
         del store
     hung = [o for o in outcomes if o.hung]
     if hung:
-        pytest.fail(f"timed out after {timeout} s:\n" + "\n\n".join(o.describe() for o in outcomes))
+        pytest.fail(f"timed out after {timeout} s:\n" + "\n\n".join(o.describe() for o in outcomes),
+                    pytrace=False)
     if expect_fail:
         return outcomes
     failed = [o for o in outcomes if not o.ok]
@@ -210,6 +260,7 @@ def _launch(envs: list[dict[str, str]], fn: Callable[..., Any], args: tuple, tim
                 o.error = _read(os.path.join(dumps, f"{rank}.txt")) or "(no stack dump)"
     for c in conns:
         c.close()
+    shutil.rmtree(dumps, ignore_errors=True)
     return outcomes
 
 

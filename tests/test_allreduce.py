@@ -12,7 +12,8 @@ import os
 import pytest
 import torch
 
-from _checks import DTYPES, Checker, assert_no_failures, expected_allreduce, rank_input, valid_ops
+from _checks import (DTYPES, Checker, assert_no_failures, check_transport, expected_allreduce, rank_input,
+                     valid_ops)
 from _dist import hybrid_env, spawn
 
 SIZES = [0, 1, 7, 1000]
@@ -29,6 +30,7 @@ def _allreduce_cases(rank: int, sizes: list[int], big: bool) -> list[str]:
         world = torchring.size()
         chk = Checker(rank)
         chk.true("size()", world == int(os.environ["WORLD_SIZE"]), f"size() = {world}")
+        check_transport(chk)
         cases = [(d, op, n) for d in DTYPES + [torch.bool] for op in valid_ops(d) for n in sizes]
         if big:
             cases += [(d, op, BIG) for d in (torch.float32, torch.bfloat16) for op in ("SUM", "AVG")]
@@ -46,6 +48,29 @@ def _allreduce_cases(rank: int, sizes: list[int], big: bool) -> list[str]:
         t = rank_input(rank, world, 1000, torch.float32)
         torchring.allreduce(t)
         chk.equal("allreduce with the default op", t, expected_allreduce(world, 1000, torch.float32, "SUM"))
+        return chk.failures
+    finally:
+        torchring.shutdown()
+
+
+def _wide_accumulation_cases(rank: int) -> list[str]:
+    """16-bit SUMs accumulate in float32: big + 1 + 1 (+ 1) must round once, at the end.
+
+    With big = 256 (bf16) or 2048 (fp16) the spacing is 2, so adding the 1s one at a time in 16 bits
+    gives big again; the rank holding big varies per element, so every reduction order is hit.
+    """
+    import torchring
+
+    torchring.init()
+    try:
+        world = torchring.size()
+        chk = Checker(rank)
+        for dtype, big in ((torch.bfloat16, 256), (torch.float16, 2048)):
+            i = torch.arange(3000)
+            t = torch.where(i % world == rank, big, 1).to(dtype)
+            torchring.allreduce(t)
+            want = torch.full((3000,), big + world - 1, dtype=torch.float64).to(dtype)
+            chk.equal(f"allreduce({dtype}[3000]) of {big} and 1s", t, want)
         return chk.failures
     finally:
         torchring.shutdown()
@@ -69,7 +94,8 @@ def _async_cases(rank: int) -> list[str]:
             pending.append((torchring.allreduce_async(t, getattr(ReduceOp, op)), t, dtype, op, n))
         mid = rank_input(rank, world, 100, torch.int32)
         torchring.allreduce(mid)
-        chk.equal("sync allreduce between async ones", mid, expected_allreduce(world, 100, torch.int32, "SUM"))
+        want = expected_allreduce(world, 100, torch.int32, "SUM")
+        chk.equal("sync allreduce between async ones", mid, want)
         for i, (handle, t, dtype, op, n) in enumerate(pending):
             what = f"handle {i}: allreduce_async({dtype}[{n}], {op})"
             chk.true(what, isinstance(handle.is_completed(), bool), "is_completed() is not a bool")
@@ -79,7 +105,8 @@ def _async_cases(rank: int) -> list[str]:
             chk.equal(what, t, expected_allreduce(world, n, dtype, op), exact=op != "AVG")
         t = rank_input(rank, world, 10, torch.float32)
         torchring.allreduce_async(t).wait()
-        chk.equal("allreduce_async with the default op", t, expected_allreduce(world, 10, torch.float32, "SUM"))
+        want = expected_allreduce(world, 10, torch.float32, "SUM")
+        chk.equal("allreduce_async with the default op", t, want)
         return chk.failures
     finally:
         torchring.shutdown()
@@ -115,11 +142,11 @@ def _shm_tensor_cases(rank: int) -> list[str]:
         t = torchring.empty((1000,), dtype=torch.float32)
         t.copy_(rank_input(rank, world, 1000, torch.float32))
         torchring.allreduce(t)
-        chk.equal("torchring.empty after freeing others", t, expected_allreduce(world, 1000, torch.float32, "SUM"))
+        want = expected_allreduce(world, 1000, torch.float32, "SUM")
+        chk.equal("torchring.empty after freeing others", t, want)
         return chk.failures
     finally:
         torchring.shutdown()
-
 
 
 def test_world1() -> None:
@@ -136,6 +163,15 @@ def test_sweep(transport: str, world: int) -> None:
 @pytest.mark.parametrize("hosts", ["aabb", "abb"])
 def test_hybrid(hosts: str) -> None:
     results = spawn(len(hosts), _allreduce_cases, SIZES, hosts == "abb", rank_env=hybrid_env(hosts))
+    assert_no_failures(results)
+
+
+@pytest.mark.parametrize("setup", ["shm", "tcp", "hybrid"])
+def test_16bit_accumulates_in_fp32(setup: str) -> None:
+    if setup == "hybrid":
+        results = spawn(4, _wide_accumulation_cases, rank_env=hybrid_env("aabb"))
+    else:
+        results = spawn(3, _wide_accumulation_cases, env={"TORCHRING_TRANSPORT": setup})
     assert_no_failures(results)
 
 

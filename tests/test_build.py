@@ -10,7 +10,8 @@ import torch
 
 
 def test_build_report() -> None:
-    proc = subprocess.run([sys.executable, "-m", "torchring.build"], capture_output=True, text=True, timeout=900)
+    cmd = [sys.executable, "-m", "torchring.build"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"exit code {proc.returncode}:\n{out}"
     lower = out.lower()
@@ -19,5 +20,6 @@ def test_build_report() -> None:
     nccl = [line for line in lower.splitlines() if "nccl" in line]
     assert nccl, f"the report does not say whether NCCL was built:\n{out}"
     if not torch.cuda.is_available():
-        assert any(re.search(r"\b(no|false|off|disabled|not|without|unavailable)\b", line) for line in nccl), \
+        said_no = r"\b(no|false|off|disabled|not|without|unavailable)\b"
+        assert any(re.search(said_no, line) for line in nccl), \
             f"NCCL reported as built on a machine without CUDA:\n{out}"

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from _checks import Checker, assert_no_failures, expected_allreduce, rank_input
+from _checks import Checker, assert_no_failures, check_transport, expected_allreduce, rank_input
 from _dist import hybrid_env, spawn
 
 ROWS = [0, 3, 1, 2]  # allgather rows per rank: dim 0 differs, rank 0 contributes nothing
@@ -30,14 +30,16 @@ def _check_topology(chk: Checker) -> None:
     env = os.environ
     got = (torchring.is_initialized(), torchring.rank(), torchring.size(), torchring.local_rank(),
            torchring.local_size())
-    want = (True, int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"]))
-    chk.true("(is_initialized, rank, size, local_rank, local_size)", got == want, f"got {got}, expected {want}")
+    want = (True, *(int(env[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")))
+    chk.true("(is_initialized, rank, size, local_rank, local_size)", got == want,
+             f"got {got}, expected {want}")
 
 
 def _check_broadcast(chk: Checker, rank: int, world: int) -> None:
     import torchring
 
-    specs = [(torch.float32, 1000), (torch.int64, 7), (torch.bfloat16, 1), (torch.uint8, 0), (torch.float16, 33)]
+    specs = [(torch.float32, 1000), (torch.int64, 7), (torch.bfloat16, 1), (torch.uint8, 0),
+             (torch.float16, 33)]
     for src in range(world):
         for dtype, n in specs:
             t = rank_input(rank, world, n, dtype)
@@ -47,7 +49,8 @@ def _check_broadcast(chk: Checker, rank: int, world: int) -> None:
             chk.equal(what, t, rank_input(src, world, n, dtype))
     t = rank_input(rank, world, BIG, torch.float32, shape=(BIG, 1))
     torchring.broadcast(t, world - 1)
-    chk.equal(f"broadcast(float32[{BIG}, 1], src={world - 1})", t, rank_input(world - 1, world, BIG, torch.float32, shape=(BIG, 1)))
+    want = rank_input(world - 1, world, BIG, torch.float32, shape=(BIG, 1))
+    chk.equal(f"broadcast(float32[{BIG}, 1], src={world - 1})", t, want)
     t = rank_input(rank, world, 10, torch.int32)
     torchring.broadcast(t)
     chk.equal("broadcast with the default src", t, rank_input(0, world, 10, torch.int32))
@@ -157,13 +160,13 @@ def _collective_cases(rank: int) -> list[str]:
         world = torchring.size()
         chk = Checker(rank)
         _check_topology(chk)
+        check_transport(chk)
         for check in (_check_broadcast, _check_allgather, _check_reduce_scatter, _check_async,
                       _check_barrier, _check_objects):
             check(chk, rank, world)
         return chk.failures
     finally:
         torchring.shutdown()
-
 
 
 def test_world1() -> None:

@@ -13,6 +13,7 @@ from .collectives import (Handle, ReduceOp, allgather, allgather_async, allgathe
                           broadcast_async, broadcast_object, reduce_scatter,
                           reduce_scatter_async)
 from .memory import empty
+from .model import DistributedModel, wrap
 
 __version__ = "0.1.0"
 
@@ -21,5 +22,5 @@ __all__ = [
     "transport", "TorchringError", "ReduceOp", "Handle", "allreduce", "allreduce_async",
     "broadcast", "broadcast_async", "allgather", "allgather_async", "reduce_scatter",
     "reduce_scatter_async", "barrier", "barrier_async", "broadcast_object",
-    "allgather_object", "empty",
+    "allgather_object", "empty", "wrap", "DistributedModel",
 ]

@@ -82,6 +82,9 @@ def load(verbose: bool = False) -> ModuleType:
         with open(directory / "build.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not built.exists():
+                # We hold the build lock: a "lock" file of cpp_extension's own is left over
+                # from a build that was killed, and would make this one wait forever.
+                (directory / "lock").unlink(missing_ok=True)
                 _compile(directory, verbose)
     _module = _import_built(built)
     return _module

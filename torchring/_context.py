@@ -186,6 +186,7 @@ def _wire(comm: Any, store: dist.Store, prefix: str, launch: _env.Launch, host: 
     def info_of(r: int) -> dict:
         return json.loads(_get(store, prefix + f"info/{r}", rank, f"rank {r}'s address", timeout))
 
+    comm.set_failure_board(dist.PrefixStore(prefix, store))
     group = groups[comm.host_index]
     if comm.has_shm:
         comm.attach_shm([shm_name if r == rank else info_of(r)["shm"] for r in group])

@@ -4,6 +4,8 @@
 
 #include <optional>
 
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
 #include "communicator.h"
 
 namespace py = pybind11;
@@ -75,6 +77,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("unlink_shm", &Communicator::unlinkShm)
       .def("connect_ring", &Communicator::connectRing, py::call_guard<py::gil_scoped_release>())
       .def("start", &Communicator::start)
+      .def(
+          "set_failure_board",
+          [](Communicator& c, c10::intrusive_ptr<c10d::Store> store) {
+            torchring::FailureBoard board;
+            board.post = [store](int rank, const std::string& message) {
+              store->set("failed/" + std::to_string(rank),
+                         std::vector<uint8_t>(message.begin(), message.end()));
+            };
+            board.read = [store](int rank) {
+              std::string key = "failed/" + std::to_string(rank);
+              if (!store->check({key})) return std::string();
+              auto value = store->get(key);
+              return std::string(value.begin(), value.end());
+            };
+            c.setFailureBoard(std::move(board));
+          },
+          py::arg("store"))
       .def("shutdown", &Communicator::shutdown, py::call_guard<py::gil_scoped_release>())
       .def(
           "submit",

@@ -122,6 +122,31 @@ void Communicator::connectRing(const std::string& rightAddr, int rightPort) {
 
 void Communicator::start() { worker_ = std::thread([this] { workerLoop(); }); }
 
+void Communicator::setFailureBoard(FailureBoard board) {
+  board_ = std::move(board);
+  if (tcp_) {
+    tcp_->setExplain([this](int peer, const std::string& message) { return explainPeer(peer, message); });
+  }
+}
+
+// Posts this rank's message first (so a neighbour waiting on us learns it at once), then
+// gives `peer` a moment to post its own. A dead peer posts nothing: then it is the culprit.
+std::string Communicator::explainPeer(int peer, const std::string& message) {
+  if (!board_.read) return "";
+  try {
+    board_.post(opt_.rank, message);
+    auto start = Clock::now();
+    do {
+      std::string theirs = board_.read(peer);
+      if (!theirs.empty()) return " -- because rank " + std::to_string(peer) + " failed first: " + theirs;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    } while (secondsSince(start) < std::min(2.0, opt_.timeoutSec));
+    return " -- rank " + std::to_string(peer) + " reported no error: it died or is unreachable";
+  } catch (const std::exception&) {
+    return "";  // the store is gone too; the message above stands
+  }
+}
+
 void Communicator::shutdown() {
   std::deque<Op> dropped;
   {
@@ -234,6 +259,10 @@ void Communicator::execute(Op& op) {
     // sockets close, fail, and close theirs in turn.
     if (shm_) shm_->abort(error);
     if (tcp_) tcp_->close();
+    try {
+      if (board_.post) board_.post(opt_.rank, error);
+    } catch (const std::exception&) {
+    }
   }
   op.tensor = at::Tensor();
   op.work->finish(std::move(result), std::move(error));
@@ -322,10 +351,17 @@ void Communicator::allreduce(char* data, const OpHeader& header,
     else if (scale != 1.0) scaleInPlace(data, count, dtype, scale);
     return;
   }
-  if (shm_) shm_->allreduce(data, count, dtype, op, 1.0, headers);
-  if (tcp_) tcp_->allreduce(data, count, dtype, op);
+  // Several hosts: reduce within the host, ring among the leaders (which applies `scale`
+  // once), then each leader hands the result to its host.
+  if (isHalfFloat(dtype) && shm_) {
+    std::vector<float> hostSum(isLeader() ? count : 0);
+    shm_->reduceToLeader(data, count, dtype, op, hostSum.data());
+    if (tcp_) tcp_->allreduce(data, count, dtype, op, scale, hostSum.data());
+  } else {
+    if (shm_) shm_->allreduce(data, count, dtype, op, 1.0, headers);
+    if (tcp_) tcp_->allreduce(data, count, dtype, op, scale);
+  }
   if (shm_) shm_->broadcast(data, count * elementSize(dtype), 0);
-  if (scale != 1.0) scaleInPlace(data, count, dtype, scale);
 }
 
 // Broadcast: first within the root's host, then among leaders, then within other hosts.

@@ -6,6 +6,7 @@
 
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -51,6 +52,13 @@ class Work {
   at::Tensor result_;
 };
 
+// Optional side channel through the rendezvous store: a failing rank posts its message, and
+// a rank whose ring neighbour hung up reads why, so every survivor can name the first failure.
+struct FailureBoard {
+  std::function<void(int rank, const std::string& message)> post;
+  std::function<std::string(int rank)> read;  // "" when the rank posted nothing
+};
+
 class Communicator {
  public:
   explicit Communicator(CommOptions options);
@@ -63,6 +71,7 @@ class Communicator {
   void unlinkShm();
   void connectRing(const std::string& rightAddr, int rightPort);
   void start();
+  void setFailureBoard(FailureBoard board);
   // Fails queued operations, stops the progress thread and closes every transport.
   void shutdown();
 
@@ -96,12 +105,14 @@ class Communicator {
   void broadcast(char* data, size_t bytes, int root);
   at::Tensor allgather(const at::Tensor& input, const std::vector<OpHeader>& headers);
   std::string failedMessage(const OpHeader& header) const;
+  std::string explainPeer(int peer, const std::string& message);
 
   CommOptions opt_;
   int hostIndex_ = 0, localIndex_ = 0;
   std::vector<int> rankHost_, rankLocal_;
   std::unique_ptr<ShmGroup> shm_;
   std::unique_ptr<TcpRing> tcp_;
+  FailureBoard board_;
 
   std::mutex mutex_;
   std::condition_variable cv_;

@@ -134,7 +134,62 @@ void reduceTyped(void* dst, void* dst2, const void* const* srcs, int nsrc, size_
   }
 }
 
+template <typename T, typename Op>
+void reduceBlocksToFloat(float* dst, const T* const* srcs, int nsrc, size_t count) {
+  using C = Codec<T>;
+  for (size_t i = 0; i < count; ++i) dst[i] = C::load(srcs[0][i]);
+  for (int p = 1; p < nsrc; ++p) {
+    const T* src = srcs[p];
+    for (size_t i = 0; i < count; ++i) dst[i] = Op::apply(dst[i], C::load(src[i]));
+  }
+}
+
+template <typename T>
+void reduceTypedToFloat(float* dst, const void* const* srcs, int nsrc, size_t count, ReduceOp op) {
+  auto* s = reinterpret_cast<const T* const*>(srcs);
+  switch (op) {
+    case ReduceOp::SUM:
+    case ReduceOp::AVG: return reduceBlocksToFloat<T, Sum>(dst, s, nsrc, count);
+    case ReduceOp::PRODUCT: return reduceBlocksToFloat<T, Prod>(dst, s, nsrc, count);
+    case ReduceOp::MIN: return reduceBlocksToFloat<T, Min>(dst, s, nsrc, count);
+    case ReduceOp::MAX: return reduceBlocksToFloat<T, Max>(dst, s, nsrc, count);
+  }
+}
+
+template <typename T>
+void narrowTyped(void* dst, const float* src, size_t count, double scale) {
+  auto* d = static_cast<T*>(dst);
+  const float s = static_cast<float>(scale);
+  if (scale != 1.0) {
+    for (size_t i = 0; i < count; ++i) d[i] = Codec<T>::store(src[i] * s);
+  } else {
+    for (size_t i = 0; i < count; ++i) d[i] = Codec<T>::store(src[i]);
+  }
+}
+
+template <typename T>
+void widenTyped(float* dst, const void* src, size_t count) {
+  auto* s = static_cast<const T*>(src);
+  for (size_t i = 0; i < count; ++i) dst[i] = Codec<T>::load(s[i]);
+}
+
 }  // namespace
+
+void reduceToFloat(float* dst, const void* const* srcs, int nsrc, size_t count, DType dtype,
+                   ReduceOp op) {
+  if (dtype == DType::F16) return reduceTypedToFloat<F16>(dst, srcs, nsrc, count, op);
+  return reduceTypedToFloat<BF16>(dst, srcs, nsrc, count, op);
+}
+
+void widenToFloat(float* dst, const void* src, size_t count, DType dtype) {
+  if (dtype == DType::F16) return widenTyped<F16>(dst, src, count);
+  return widenTyped<BF16>(dst, src, count);
+}
+
+void narrowFromFloat(void* dst, const float* src, size_t count, DType dtype, double scale) {
+  if (dtype == DType::F16) return narrowTyped<F16>(dst, src, count, scale);
+  return narrowTyped<BF16>(dst, src, count, scale);
+}
 
 void reduceInto(void* dst, void* dst2, const void* const* srcs, int nsrc, size_t count,
                 DType dtype, ReduceOp op, double scale) {

@@ -13,6 +13,17 @@ namespace torchring {
 void reduceInto(void* dst, void* dst2, const void* const* srcs, int nsrc, size_t count,
                 DType dtype, ReduceOp op, double scale = 1.0);
 
+// dst[i] = float(srcs[0][i] op ... op srcs[nsrc-1][i]) for 16-bit float sources: the
+// float32 partial sums that leaders send around the TCP ring.
+void reduceToFloat(float* dst, const void* const* srcs, int nsrc, size_t count, DType dtype,
+                   ReduceOp op);
+
+// Converts between a 16-bit float dtype and float32 (dst = src * scale when narrowing).
+void widenToFloat(float* dst, const void* src, size_t count, DType dtype);
+void narrowFromFloat(void* dst, const float* src, size_t count, DType dtype, double scale);
+
+inline bool isHalfFloat(DType dtype) { return dtype == DType::F16 || dtype == DType::BF16; }
+
 // data[i] *= scale for a floating dtype (used once at the end of a multi-stage AVG).
 void scaleInPlace(void* data, size_t count, DType dtype, double scale);
 

@@ -416,6 +416,25 @@ void ShmGroup::allreduceZeroCopy(char* data, size_t count, DType dtype, ReduceOp
   waitAll();
 }
 
+// Reduce to the leader in float32: every rank stages a chunk, everyone waits, the leader
+// folds the staged chunks into `hostSum`. One synchronization per chunk, as broadcast.
+void ShmGroup::reduceToLeader(const char* data, size_t count, DType dtype, ReduceOp op,
+                              float* hostSum) {
+  const int n = localSize(), me = opt_.localIndex;
+  const size_t esize = elementSize(dtype), chunkElems = opt_.chunkBytes / esize;
+  std::vector<const void*> srcs(n);
+  for (size_t start = 0; start < count; start += chunkElems) {
+    const size_t len = std::min(chunkElems, count - start);
+    const int buf = nextBuffer();
+    std::memcpy(staging(me, buf), data + start * esize, len * esize);
+    arrive();
+    waitAll();
+    if (me != 0) continue;
+    for (int p = 0; p < n; ++p) srcs[p] = staging(p, buf);
+    reduceToFloat(hostSum + start, srcs.data(), n, len, dtype, op);
+  }
+}
+
 // Broadcast: the root copies a chunk into its staging buffer, everyone waits, the others
 // copy it out. Double buffering gives the same no-trailing-barrier argument as allreduce.
 void ShmGroup::broadcast(char* data, size_t bytes, int rootIndex) {

@@ -88,6 +88,9 @@ class ShmGroup {
   void allreduce(char* data, size_t count, DType dtype, ReduceOp op, double scale,
                  const std::vector<OpHeader>& headers);
   void broadcast(char* data, size_t bytes, int rootIndex);
+  // 16-bit floats across hosts: the leader (local index 0) gets the float32 sum of every
+  // local rank's `data` in `hostSum`; the others only contribute.
+  void reduceToLeader(const char* data, size_t count, DType dtype, ReduceOp op, float* hostSum);
   // pieces[i] = (offset into out, bytes) of local rank i; src is this rank's contribution.
   void allgather(const char* src, char* out, const std::vector<std::pair<size_t, size_t>>& pieces);
 

@@ -217,10 +217,15 @@ void TcpRing::connect(const std::string& rightAddr, int rightPort) {
 
 void TcpRing::fail(const std::string& why, bool left) const {
   std::ostringstream msg;
-  msg << "rank " << opt_.rank << " (this process): " << what_ << ": " << why << " "
-      << (left ? leftDesc_ : rightDesc_);
-  if (leftDesc_.empty() && left) msg << "rank " << opt_.leftRank << " (left neighbour)";
-  throw TorchringError(msg.str());
+  msg << "rank " << opt_.rank << " (this process): " << what_ << ": " << why << " ";
+  if (left) {
+    msg << (leftDesc_.empty() ? "rank " + std::to_string(opt_.leftRank) + " (left neighbour)" : leftDesc_);
+  } else {
+    msg << rightDesc_;
+  }
+  std::string text = msg.str();
+  if (explain_) text += explain_(left ? opt_.leftRank : opt_.rightRank, text);
+  throw TorchringError(text);
 }
 
 void TcpRing::exchange(const std::vector<Span>& send, const std::vector<Span>& recv,
@@ -291,11 +296,21 @@ void TcpRing::exchange(const std::vector<Span>& send, const std::vector<Span>& r
 // the bytes arrive (so reduction overlaps the transfer). After n-1 steps member `me` holds
 // the complete chunk (me + 1). In allgather step s it sends chunk (me + 1 - s) and receives
 // chunk (me - s) straight into place. Each member sends 2(n-1)/n of the buffer in total.
-// 16-bit floats are rounded to 16 bits at each hop, as NCCL's ring does.
-void TcpRing::allreduce(char* data, size_t count, DType dtype, ReduceOp op) {
+// 16-bit floats travel as float32 partial sums in reduce-scatter (exact accumulation, 1.5x
+// the bytes of a 16-bit ring) and are rounded once before the 16-bit allgather.
+void TcpRing::allreduce(char* data, size_t count, DType dtype, ReduceOp op, double scale,
+                        float* hostSum) {
   const int n = opt_.ringSize, me = opt_.ringIndex;
   if (n == 1 || count == 0) return;
-  const size_t esize = elementSize(dtype);
+  const bool half = isHalfFloat(dtype);
+  if (half && hostSum == nullptr) {
+    hostSum_.resize(count);
+    widenToFloat(hostSum_.data(), data, count, dtype);
+    hostSum = hostSum_.data();
+  }
+  char* work = half ? reinterpret_cast<char*>(hostSum) : data;  // what reduce-scatter runs on
+  const DType workType = half ? DType::F32 : dtype;
+  const size_t esize = elementSize(workType), outSize = elementSize(dtype);
   auto chunkOf = [&](int i) {
     i = ((i % n) + n) % n;
     size_t base = count / n, rem = count % n;
@@ -307,21 +322,28 @@ void TcpRing::allreduce(char* data, size_t count, DType dtype, ReduceOp op) {
   for (int s = 0; s < n - 1; ++s) {
     auto [sendStart, sendLen] = chunkOf(me - s);
     auto [recvStart, recvLen] = chunkOf(me - s - 1);
-    char* target = data + recvStart * esize;
+    char* target = work + recvStart * esize;
     size_t reduced = 0;  // bytes of the received chunk already folded in
     auto fold = [&](size_t received) {
       size_t ready = received == recvLen * esize ? received : received / segBytes * segBytes;
       if (ready <= reduced) return;
       const void* srcs[2] = {target + reduced, scratch_.data() + reduced};
-      reduceInto(target + reduced, nullptr, srcs, 2, (ready - reduced) / esize, dtype, op);
+      reduceInto(target + reduced, nullptr, srcs, 2, (ready - reduced) / esize, workType, op);
       reduced = ready;
     };
-    exchange({{data + sendStart * esize, sendLen * esize}}, {{scratch_.data(), recvLen * esize}}, fold);
+    exchange({{work + sendStart * esize, sendLen * esize}}, {{scratch_.data(), recvLen * esize}}, fold);
+  }
+  auto [ownStart, ownLen] = chunkOf(me + 1);  // complete here: scale it once, round it once
+  if (half) {
+    narrowFromFloat(data + ownStart * outSize, hostSum + ownStart, ownLen, dtype, scale);
+  } else if (scale != 1.0) {
+    scaleInPlace(data + ownStart * outSize, ownLen, dtype, scale);
   }
   for (int s = 0; s < n - 1; ++s) {
     auto [sendStart, sendLen] = chunkOf(me + 1 - s);
     auto [recvStart, recvLen] = chunkOf(me - s);
-    exchange({{data + sendStart * esize, sendLen * esize}}, {{data + recvStart * esize, recvLen * esize}});
+    exchange({{data + sendStart * outSize, sendLen * outSize}},
+             {{data + recvStart * outSize, recvLen * outSize}});
   }
 }
 

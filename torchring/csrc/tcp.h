@@ -38,12 +38,21 @@ class TcpRing {
   void close();
 
   // Ring collectives over raw memory, see tcp.cpp for the algorithms.
-  void allreduce(char* data, size_t count, DType dtype, ReduceOp op);
+  // In place, result scaled by `scale`. For 16-bit floats the reduce-scatter runs on
+  // float32 partial sums: `hostSum` when the caller has this host's sum in float32, else
+  // `data` widened; the result is rounded to 16 bits once.
+  void allreduce(char* data, size_t count, DType dtype, ReduceOp op, double scale,
+                 float* hostSum = nullptr);
   void broadcast(char* data, size_t bytes, int rootIndex);
   // blocks[i] = the spans of ring member i; this member's block is already in place.
   void allgather(const std::vector<std::vector<Span>>& blocks);
 
   void setWhat(const std::string& what) { what_ = what; }
+  // Called with (peer rank, this rank's message) when a neighbour fails us; returns what is
+  // known of why that peer failed ("" if nothing), to be added to the message.
+  void setExplain(std::function<std::string(int, const std::string&)> explain) {
+    explain_ = std::move(explain);
+  }
 
  private:
   // Sends `send` to the right while receiving `recv` from the left; onRecv(bytes so far)
@@ -58,6 +67,8 @@ class TcpRing {
   std::string leftDesc_, rightDesc_;
   std::string what_ = "setup";
   std::vector<char> scratch_;
+  std::vector<float> hostSum_;
+  std::function<std::string(int, const std::string&)> explain_;
 };
 
 }  // namespace torchring

@@ -1,0 +1,164 @@
+"""Training-step time: torchring.wrap against DistributedDataParallel (gloo), in the same run.
+
+    python benchmarks/train_step.py                    # world 2, 25M-parameter MLP, batch 64/rank
+    python benchmarks/train_step.py --world 3 --steps 10 --rounds 3 --json bench-train.json
+
+Configurations, each the same model and per-rank batch, SGD, torch.set_num_threads(1) per rank:
+  single      rank 0 alone (the other ranks sleep in a barrier): one process, no communication
+  compute     every rank trains its own copy at once, no communication (what the job costs
+              without gradient averaging: the floor for any data-parallel library)
+  ddp         torch.nn.parallel.DistributedDataParallel over gloo, default buckets
+  torchring   torchring.wrap(model), default buckets
+Rounds alternate the configurations so drift hits all of them; each round times --steps steps
+after --warmup steps, a step's time is the max over ranks, and the table shows the median of
+the per-round medians. "hidden" is the share of a bare allreduce of the whole gradient that the
+wrapped step did not add on top of the compute step: 1 - (torchring - compute) / allreduce.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing as mp
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def mlp(width: int) -> nn.Module:
+    """The 1024 -> 4x -> 4x -> 1024 MLP of the reference measurements (25.18M params at 1024)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(width, 4 * width), nn.ReLU(), nn.Linear(4 * width, 4 * width),
+                         nn.ReLU(), nn.Linear(4 * width, width))
+
+
+def timed_steps(model: nn.Module, batch: int, width: int, steps: int, warmup: int,
+                barrier: Callable[[], None]) -> list[float]:
+    """Seconds per training step on this rank (after warmup), each step started together."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = torch.randn(batch, width), torch.randn(batch, width)
+    times = []
+    for step in range(warmup + steps):
+        barrier()
+        start = time.perf_counter()
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        if step >= warmup:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      TORCHELASTIC_USE_AGENT_STORE="True")
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    import torchring
+    from torch.nn.parallel import DistributedDataParallel
+
+    store = dist.TCPStore("127.0.0.1", port, world, False)
+    dist.init_process_group("gloo", store=dist.PrefixStore("gloo", store), rank=rank, world_size=world)
+    torchring.init()
+
+    def step_max(times: list[float]) -> float:
+        t = torch.tensor([statistics.median(times)], dtype=torch.float64)
+        torchring.allreduce(t, torchring.ReduceOp.MAX)
+        return t.item()
+
+    results: dict[str, list[float]] = {k: [] for k in ("single", "compute", "ddp", "torchring")}
+    model = mlp(args.width)
+    ddp = DistributedDataParallel(mlp(args.width))
+    wrapped = torchring.wrap(mlp(args.width))
+    flat = torch.ones(sum(p.numel() for p in model.parameters()))
+    bare = []
+    for _ in range(args.rounds):
+        if rank == 0:
+            results["single"].append(statistics.median(
+                timed_steps(model, args.batch, args.width, args.steps, args.warmup, lambda: None)))
+        torchring.barrier()
+        results["single"] = torchring.broadcast_object(results["single"], 0)
+        results["compute"].append(step_max(timed_steps(model, args.batch, args.width, args.steps,
+                                                       args.warmup, torchring.barrier)))
+        results["ddp"].append(step_max(timed_steps(ddp, args.batch, args.width, args.steps,
+                                                   args.warmup, torchring.barrier)))
+        results["torchring"].append(step_max(timed_steps(wrapped, args.batch, args.width, args.steps,
+                                                         args.warmup, torchring.barrier)))
+        torchring.barrier()
+        start = time.perf_counter()
+        torchring.allreduce(flat, torchring.ReduceOp.AVG)
+        bare.append(step_max([time.perf_counter() - start]))
+    stats = wrapped.bucket_stats()
+    if rank == 0:
+        out.put({"results": results, "bare_allreduce": bare, "buckets": stats,
+                 "params": sum(p.numel() for p in model.parameters())})
+    torchring.shutdown()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=64, help="per-rank batch")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, args.world + 1, True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    os.environ["TORCHRING_JOB_ID"] = f"train-step-{os.getpid()}"
+    procs = [ctx.Process(target=rank_main, args=(r, args.world, port, args, out)) for r in range(args.world)]
+    for p in procs:
+        p.start()
+    report = out.get(timeout=3600)
+    for p in procs:
+        p.join()
+    del store
+    med = {k: statistics.median(v) for k, v in report["results"].items()}
+    bare = statistics.median(report["bare_allreduce"])
+    hidden = 1 - (med["torchring"] - med["compute"]) / bare
+    cores = len(os.sched_getaffinity(0))
+    print(f"# train step: MLP width {args.width} ({report['params'] / 1e6:.2f}M params), batch "
+          f"{args.batch}/rank, world {args.world}{' (oversubscribed)' if args.world > cores else ''}, "
+          f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {cores} cores, "
+          f"{datetime.date.today()}")
+    print("| config | step (ms) | rounds (ms) | vs compute |")
+    print("|---|---|---|---|")
+    for k, v in report["results"].items():
+        rounds = ", ".join(f"{x * 1e3:.1f}" for x in v)
+        print(f"| {k} | {med[k] * 1e3:.1f} | {rounds} | {med[k] / med['compute']:.2f}x |")
+    print(f"\ntorchring / ddp = {med['torchring'] / med['ddp']:.2f}, torchring / compute = "
+          f"{med['torchring'] / med['compute']:.2f}, bare allreduce of the gradient = {bare * 1e3:.1f} ms, "
+          f"hidden = {hidden:.0%}")
+    print("buckets of the last step:", [(b["bucket"], round(b["bytes"] / 2**20, 1),
+                                         round(b["launch_before_backward_end_ms"], 1),
+                                         round(b["wait_ms"], 1)) for b in report["buckets"]],
+          "(index, MiB, launched ms before backward end, wait ms)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "median_s": med, "bare_allreduce_s": bare, **report}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

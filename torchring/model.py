@@ -1,0 +1,292 @@
+"""``torchring.wrap(model)``: averaged gradients on every rank, communicated during backward.
+
+How one synchronized step runs:
+1. forward (grad enabled, not in ``no_sync``) arms the hooks and, in training mode,
+   broadcasts the buffers (BatchNorm statistics) from rank 0;
+2. in backward, each parameter's post-accumulate-grad hook moves its gradient into its
+   bucket (``.grad`` becomes a view of the bucket, so later steps accumulate in place and
+   need no copy) and counts the bucket down; a bucket whose gradients have all arrived is
+   launched as an async AVG allreduce as soon as every earlier bucket was launched, so
+   every rank issues the same collectives in the same order;
+3. an end-of-backward callback launches what is left (a parameter this rank did not use
+   contributes its accumulated gradient or zeros), allreduces a used-flag per parameter
+   (MAX), waits for every bucket and settles each parameter's ``.grad``: averaged when any
+   rank used it, left as it was (None) when no rank did. ``backward()`` returns after it.
+After the first synchronized step the buckets are rebuilt once in the order gradients
+actually became ready on rank 0, which every rank adopts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from . import _context, buckets as bucketing, collectives
+from ._errors import TorchringError
+
+_MB = 1 << 20
+_COMPRESSION = {None: None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _describe(name: str, t: torch.Tensor) -> str:
+    return f"'{name}' {str(t.dtype).replace('torch.', '')}{list(t.shape)}"
+
+
+class DistributedModel(nn.Module):
+    """A model whose gradients are averaged across ranks; made by ``torchring.wrap``."""
+
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, first_bucket_mb: float = 1,
+                 compression: str | None = None, broadcast_buffers: bool = True) -> None:
+        super().__init__()
+        if compression not in _COMPRESSION:
+            raise ValueError(f"torchring.wrap: compression must be None, 'fp16' or 'bf16', "
+                             f"got {compression!r}")
+        if bucket_cap_mb <= 0 or first_bucket_mb <= 0:
+            raise ValueError(f"torchring.wrap: bucket sizes must be positive, got "
+                             f"bucket_cap_mb={bucket_cap_mb}, first_bucket_mb={first_bucket_mb}")
+        self.module = module
+        self.broadcast_buffers = broadcast_buffers
+        self.require_backward_grad_sync = True
+        self._compression = _COMPRESSION[compression]
+        self._caps = (int(first_bucket_mb * _MB), int(bucket_cap_mb * _MB))
+        self._rank = _context.rank()
+        self._check_module(module)
+        self._verify_and_broadcast()
+        self._armed = False
+        self._callback_queued = False
+        self._ready_order: list[int] = []
+        self._rebuilt = False
+        self._stats: list[dict[str, Any]] = []
+        self._hooks: list[Any] = []
+        self._setup_buckets(order=None)
+
+    # ----------------------------------------------------------------- set-up
+    def _check_module(self, module: nn.Module) -> None:
+        where = f"rank {self._rank}: torchring.wrap"
+        for name, sub in module.named_modules():
+            if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
+                raise ValueError(f"{where}: '{name}' has sparse=True; sparse gradients are not "
+                                 "supported, construct it with sparse=False")
+        for name, p in module.named_parameters():
+            if isinstance(p, nn.parameter.UninitializedParameter):
+                raise ValueError(f"{where}: parameter '{name}' is uninitialized (lazy module); "
+                                 "run one forward pass before wrapping")
+            if p.device.type != "cpu":
+                raise ValueError(f"{where}: parameter {_describe(name, p)} is on {p.device}; this "
+                                 "build handles CPU models only (python -m torchring.build)")
+
+    def _verify_and_broadcast(self) -> None:
+        """Every rank checks every rank's parameter list, then takes rank 0's values."""
+        mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in self.module.named_parameters()]
+        mine += [("buffer " + n, tuple(b.shape), str(b.dtype)) for n, b in self.module.named_buffers()]
+        everyone = collectives.allgather_object(mine)
+        reference = everyone[0]
+        for rank, theirs in enumerate(everyone):
+            if theirs == reference:
+                continue
+            for i in range(max(len(theirs), len(reference))):
+                a = reference[i] if i < len(reference) else None
+                b = theirs[i] if i < len(theirs) else None
+                if a != b:
+                    show = lambda d: "nothing" if d is None else f"'{d[0]}' {d[2].replace('torch.', '')}{list(d[1])}"
+                    raise TorchringError(
+                        f"rank {self._rank}: torchring.wrap: the model differs between ranks: entry #{i} "
+                        f"is {show(a)} on rank 0 but {show(b)} on rank {rank} (rank 0 has "
+                        f"{len(reference)} parameters and buffers, rank {rank} has {len(theirs)}); "
+                        "every rank must build the same model, registering parameters in the same order")
+        with torch.no_grad():
+            _broadcast_coalesced([p.data for p in self.module.parameters()])
+            _broadcast_coalesced([b for b in self.module.buffers()])
+
+    def _setup_buckets(self, order: list[int] | None) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        self._names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        self._all_params = list(self.module.parameters())
+        if order is None:
+            order = list(reversed(range(len(self._params))))
+        self._buckets = bucketing.build(self._params, self._names, order, *self._caps,
+                                        self._compression)
+        self._slot: dict[int, tuple[bucketing.Bucket, int]] = {}
+        for bucket in self._buckets:
+            for j, i in enumerate(bucket.slots):
+                self._slot[i] = (bucket, j)
+        self._used = torch.zeros(len(self._params), dtype=torch.uint8)
+        self._next_bucket = 0
+        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
+                       for i, p in enumerate(self._params)]
+        self._trainable = {id(p) for p in self._params}
+
+    # ------------------------------------------------------------ public API
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Runs the model; arms gradient synchronization when grad is enabled."""
+        if torch.is_grad_enabled():
+            sync = bool(self.require_backward_grad_sync)
+            if sync and any(p.requires_grad and id(p) not in self._trainable for p in self._all_params):
+                self._retrain_new_parameters()
+            if sync and self.training and self.broadcast_buffers:
+                with torch.no_grad():
+                    _broadcast_coalesced(list(self.module.buffers()))
+            self._armed = sync
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self, enabled: bool = True) -> Iterator[None]:
+        """Inside, forward+backward only accumulate gradients locally (no communication)."""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = not enabled and previous
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    def bucket_stats(self) -> list[dict[str, Any]]:
+        """Per bucket of the last synchronized backward: bytes, params, launch lead and wait."""
+        return [dict(s) for s in self._stats]
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped model's state_dict, with the same keys as the unwrapped model."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Loads a state_dict of the unwrapped model."""
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["module"], name)
+
+    # --------------------------------------------------------------- backward
+    def _make_hook(self, i: int):
+        def hook(p: torch.Tensor) -> None:
+            if self._armed:
+                self._on_grad(i, p)
+        return hook
+
+    def _on_grad(self, i: int, p: torch.Tensor) -> None:
+        bucket, j = self._slot[i]
+        if bucket.fired[j]:
+            return
+        view = bucket.views[j]
+        if p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+            p.grad = view
+        bucket.fired[j] = True
+        self._used[i] = 1
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+        if not self._rebuilt:
+            self._ready_order.append(i)
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next_bucket < len(self._buckets) and self._buckets[self._next_bucket].pending == 0:
+            bucket = self._buckets[self._next_bucket]
+            self._next_bucket += 1
+            send = bucket.buffer
+            if bucket.wire is not None:
+                bucket.wire.copy_(bucket.buffer)
+                send = bucket.wire
+            bucket.launched_at = time.perf_counter()
+            bucket.handle = collectives.allreduce_async(send, collectives.ReduceOp.AVG)
+
+    def _finalize(self) -> None:
+        backward_end = time.perf_counter()
+        self._callback_queued = False
+        was_none: list[tuple[int, torch.nn.Parameter]] = []
+        for bucket in self._buckets[self._next_bucket:]:
+            for j, p in enumerate(bucket.params):
+                if bucket.fired[j]:
+                    continue
+                view = bucket.views[j]
+                if p.grad is None:
+                    view.zero_()
+                    was_none.append((bucket.slots[j], p))
+                elif p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)
+                    p.grad = view
+            bucket.pending = 0
+        self._launch_ready()
+        used = collectives.allreduce_async(self._used, collectives.ReduceOp.MAX)
+        for bucket in self._buckets:
+            start = time.perf_counter()
+            bucket.handle.wait()
+            bucket.waited = time.perf_counter() - start
+            if bucket.wire is not None:
+                bucket.buffer.copy_(bucket.wire)
+        used.wait()
+        for i, p in was_none:
+            if self._used[i]:
+                bucket, j = self._slot[i]
+                p.grad = bucket.views[j]
+        self._stats = [dict(bucket=b.index, bytes=b.nbytes, params=len(b.params),
+                            launch_before_backward_end_ms=(backward_end - b.launched_at) * 1e3,
+                            wait_ms=b.waited * 1e3) for b in self._buckets]
+        self._reset_backward_state()
+        if not self._rebuilt:
+            self._rebuild_by_ready_order()
+
+    def _reset_backward_state(self) -> None:
+        for bucket in self._buckets:
+            bucket.pending = len(bucket.params)
+            bucket.fired = [False] * len(bucket.params)
+            bucket.handle = None
+        self._used.zero_()
+        self._next_bucket = 0
+
+    def _rebuild_by_ready_order(self) -> None:
+        """Adopts rank 0's gradient-ready order for the bucket layout, once."""
+        order = collectives.broadcast_object(self._ready_order, src=0)
+        seen = set(order)
+        order += [i for i in reversed(range(len(self._params))) if i not in seen]
+        self._rebuilt = True
+        self._ready_order = []
+        self._setup_buckets(order)
+
+    def _retrain_new_parameters(self) -> None:
+        """Parameters that became trainable after wrap(): every rank re-buckets together."""
+        names = [n for n, p in self.module.named_parameters() if p.requires_grad]
+        everyone = collectives.allgather_object(names)
+        for rank, theirs in enumerate(everyone):
+            if theirs != everyone[0]:
+                raise TorchringError(
+                    f"rank {self._rank}: torchring.wrap: ranks train different parameters: rank 0 "
+                    f"trains {len(everyone[0])}, rank {rank} trains {len(theirs)} (first difference: "
+                    f"{next((a, b) for a, b in zip(everyone[0] + [None], theirs + [None]) if a != b)}); "
+                    "set requires_grad the same way on every rank")
+        self._rebuilt = False
+        self._ready_order = []
+        self._setup_buckets(order=None)
+
+
+def _broadcast_coalesced(tensors: list[torch.Tensor], src: int = 0) -> None:
+    """Broadcasts `tensors` from `src` with one collective per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for dtype in sorted(by_dtype, key=str):
+        group = by_dtype[dtype]
+        flat = torch.cat([t.reshape(-1) for t in group]) if len(group) > 1 else group[0].reshape(-1).clone()
+        collectives.broadcast(flat, src)
+        offset = 0
+        for t in group:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def wrap(model: nn.Module, bucket_cap_mb: float = 25, first_bucket_mb: float = 1,
+         compression: str | None = None, broadcast_buffers: bool = True) -> DistributedModel:
+    """Makes `model` data-parallel: after backward() every rank holds the averaged gradients."""
+    _context.communicator("wrap")
+    return DistributedModel(model, bucket_cap_mb, first_bucket_mb, compression, broadcast_buffers)
