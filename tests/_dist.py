@@ -206,7 +206,9 @@ def _launch(envs: list[dict[str, str]], fn: Callable[..., Any], args: tuple, tim
     procs, conns = [], []
     for rank, env in enumerate(envs):
         recv, send = _ctx.Pipe(duplex=False)
-        p = _ctx.Process(target=_child, args=(rank, env, fn, args, send, dumps), daemon=True)
+        # Not daemonic, so a rank may start DataLoader workers; the loop below kills every rank
+        # still alive at the deadline, so none outlives the test.
+        p = _ctx.Process(target=_child, args=(rank, env, fn, args, send, dumps), daemon=False)
         p.start()
         send.close()
         procs.append(p)

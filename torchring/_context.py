@@ -39,6 +39,7 @@ class _State:
     local_rank: int
     local_size: int
     transport: str
+    arena_mb: int
 
 
 _state: _State | None = None
@@ -64,7 +65,7 @@ def _store(launch: _env.Launch, timeout: float) -> dist.Store:
             _stores[key] = dist.TCPStore(
                 launch.master_addr, launch.master_port, launch.world_size, is_master,
                 timeout=timedelta(seconds=timeout), wait_for_workers=False,
-                use_libuv=True,
+                multi_tenant=True,  # a torch.distributed group in this process can share it
             )
         except Exception as exc:
             role = "host" if is_master else "reach"
@@ -168,7 +169,7 @@ def init(timeout: float | None = None) -> None:
     local_size = launch.local_world_size if launch.local_world_size is not None else len(my_real)
     used = "none" if world == 1 else "+".join(
         t for t, on in (("shm", comm.has_shm), ("tcp", comm.num_hosts > 1)) if on)
-    _state = _State(launch, comm, local_rank, local_size, used or "none")
+    _state = _State(launch, comm, local_rank, local_size, used or "none", arena_mb)
 
 
 def _wire(comm: Any, store: dist.Store, prefix: str, launch: _env.Launch, host: str,
@@ -245,6 +246,11 @@ def local_size() -> int:
 def transport() -> str:
     """The transports in use: 'shm', 'tcp', 'shm+tcp', or 'none' for a single rank."""
     return _require("transport").transport
+
+
+def arena_mb() -> int:
+    """Size of each rank's shared-memory arena in MiB (0: torchring.empty uses plain memory)."""
+    return _require("empty").arena_mb
 
 
 def communicator(what: str) -> Any:

@@ -22,7 +22,7 @@ def empty(shape: int | Sequence[int], dtype: torch.dtype = torch.float32) -> tor
     tensor = comm.empty_shared(sizes, dtype) if comm.has_shm else None
     if tensor is not None:
         return tensor
-    if comm.has_shm and not _warned:
+    if comm.has_shm and _context.arena_mb() > 0 and not _warned:
         _warned = True
         warnings.warn("torchring.empty: the shared-memory arena is full or /dev/shm has no room "
                       "left (TORCHRING_SHM_ARENA_MB); using regular memory, which costs one copy "

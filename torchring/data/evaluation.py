@@ -1,0 +1,30 @@
+"""Exact evaluation numbers across ranks: gather per-sample results in dataset order, or
+sum metric counts. Call these after the evaluation loop, on every rank."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import collectives
+from .sampler import DistributedSampler
+
+
+def gather_ordered(values: torch.Tensor, sampler: DistributedSampler) -> torch.Tensor:
+    """Every rank's per-sample `values` (rows in this rank's sampler order), one row per dataset index."""
+    indices = torch.tensor(sampler.indices(), dtype=torch.int64)
+    if values.shape[0] != indices.numel():
+        raise ValueError(f"rank {sampler.rank}: values has {values.shape[0]} rows but the sampler gave "
+                         f"this rank {indices.numel()} samples; pass one row per sample, in order")
+    all_values = collectives.allgather(values.contiguous())
+    all_indices = collectives.allgather(indices)
+    out = torch.empty((len(sampler.dataset), *values.shape[1:]), dtype=values.dtype)
+    out[all_indices] = all_values  # padded duplicates write the same sample twice
+    return out
+
+
+def all_reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """Sums each metric (counts, loss totals) over ranks; returns the job-wide totals."""
+    names = sorted(metrics)
+    totals = torch.tensor([float(metrics[k]) for k in names], dtype=torch.float64)
+    collectives.allreduce(totals)
+    return dict(zip(names, totals.tolist()))
