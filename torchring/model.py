@@ -10,8 +10,9 @@ How one synchronized step runs:
    every rank issues the same collectives in the same order;
 3. an end-of-backward callback launches what is left (a parameter this rank did not use
    contributes its accumulated gradient or zeros), allreduces a used-flag per parameter
-   (MAX), waits for every bucket and settles each parameter's ``.grad``: averaged when any
-   rank used it, left as it was (None) when no rank did. ``backward()`` returns after it.
+   (MAX; a parameter holding a gradient from no_sync steps counts as used), waits for every
+   bucket and settles each parameter's ``.grad``: averaged when any rank used it, left as
+   it was (None) when no rank did. ``backward()`` returns after it.
 After the first synchronized step the buckets are rebuilt once in the order gradients
 actually became ready on rank 0, which every rank adopts.
 """
@@ -58,11 +59,11 @@ class DistributedModel(nn.Module):
         self._verify_and_broadcast()
         self._armed = False
         self._callback_queued = False
-        self._ready_order: list[int] = []
+        self._ready_order: list[str] = []  # names, in the order gradients arrived (first step)
         self._rebuilt = False
         self._stats: list[dict[str, Any]] = []
         self._hooks: list[Any] = []
-        self._setup_buckets(order=None)
+        self._setup_buckets(first=None)
 
     # ----------------------------------------------------------------- set-up
     def _check_module(self, module: nn.Module) -> None:
@@ -102,15 +103,19 @@ class DistributedModel(nn.Module):
             _broadcast_coalesced([p.data for p in self.module.parameters()])
             _broadcast_coalesced([b for b in self.module.buffers()])
 
-    def _setup_buckets(self, order: list[int] | None) -> None:
+    def _setup_buckets(self, first: list[str] | None) -> None:
+        """Buckets for the trainable parameters: those named in `first` in that order, then
+        the rest in reverse registration order."""
         for hook in self._hooks:
             hook.remove()
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
         self._all_params = list(self.module.parameters())
-        if order is None:
-            order = list(reversed(range(len(self._params))))
+        position = {n: i for i, n in enumerate(self._names)}
+        order = [position[n] for n in (first or []) if n in position]
+        placed = set(order)
+        order += [i for i in reversed(range(len(self._params))) if i not in placed]
         self._buckets = bucketing.build(self._params, self._names, order, *self._caps,
                                         self._compression)
         self._slot: dict[int, tuple[bucketing.Bucket, int]] = {}
@@ -185,7 +190,7 @@ class DistributedModel(nn.Module):
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
         if not self._rebuilt:
-            self._ready_order.append(i)
+            self._ready_order.append(self._names[i])
         bucket.pending -= 1
         if bucket.pending == 0:
             self._launch_ready()
@@ -213,7 +218,11 @@ class DistributedModel(nn.Module):
                 if p.grad is None:
                     view.zero_()
                     was_none.append((bucket.slots[j], p))
-                elif p.grad.data_ptr() != view.data_ptr():
+                    continue
+                # Not used in this backward, but it holds a gradient (from no_sync steps, or
+                # set by the user): that counts as used, as in DDP's no_sync session.
+                self._used[bucket.slots[j]] = 1
+                if p.grad.data_ptr() != view.data_ptr():
                     view.copy_(p.grad)
                     p.grad = view
             bucket.pending = 0
@@ -248,8 +257,6 @@ class DistributedModel(nn.Module):
     def _rebuild_by_ready_order(self) -> None:
         """Adopts rank 0's gradient-ready order for the bucket layout, once."""
         order = collectives.broadcast_object(self._ready_order, src=0)
-        seen = set(order)
-        order += [i for i in reversed(range(len(self._params))) if i not in seen]
         self._rebuilt = True
         self._ready_order = []
         self._setup_buckets(order)
@@ -267,7 +274,7 @@ class DistributedModel(nn.Module):
                     "set requires_grad the same way on every rank")
         self._rebuilt = False
         self._ready_order = []
-        self._setup_buckets(order=None)
+        self._setup_buckets(first=None)
 
 
 def _broadcast_coalesced(tensors: list[torch.Tensor], src: int = 0) -> None:

@@ -1,0 +1,87 @@
+"""End to end through the real launchers: torchring-run and torchrun start the examples,
+failures stop the whole job quickly with the first failing rank's exit code, and a killed
+job restarts from its checkpoint to the same final model as an uninterrupted run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ["--epochs", "3", "--train-size", "2048", "--eval-size", "512"]
+
+
+def _run(args: list[str], tmp_path: Path, timeout: float = 120) -> tuple[int, str, float]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TORCHRING_TIMEOUT="20")
+    start = time.monotonic()
+    proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
+
+
+def _launcher() -> list[str]:
+    return [sys.executable, "-m", "torchring.run"]
+
+
+def test_ranks_succeed_with_prefixed_output(tmp_path: Path) -> None:
+    code, out, _ = _run(_launcher() + ["-np", "3", str(ROOT / "examples/collectives.py")], tmp_path)
+    assert code == 0, out
+    assert "[default0]:world 3 over shm: all checks passed" in out
+
+
+def test_check_build_says_what_was_built(tmp_path: Path) -> None:
+    code, out, _ = _run(_launcher() + ["--check-build"], tmp_path)
+    assert code == 0 and "transports : shm, tcp" in out and "nccl" in out, out
+
+
+_FAILING = """
+import os, signal, sys, time, torch, torchring
+torchring.init()
+open(os.path.join(sys.argv[2], f"pid{torchring.rank()}"), "w").write(str(os.getpid()))
+torchring.allreduce(torch.ones(3))
+if torchring.rank() == 1:
+    if sys.argv[1] == "raise":
+        raise SystemExit(7)
+    os.kill(os.getpid(), signal.SIGKILL)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("how,expected", [("raise", 7), ("kill", 128 + 9)])
+def test_a_failing_rank_stops_the_job(tmp_path: Path, how: str, expected: int) -> None:
+    script = tmp_path / "failing.py"
+    script.write_text(_FAILING)
+    code, out, took = _run(_launcher() + ["-np", "3", str(script), how, str(tmp_path)], tmp_path)
+    assert code == expected, out
+    assert took < 30, f"the launcher took {took:.1f} s to stop the job"
+    for rank in range(3):
+        pid = int((tmp_path / f"pid{rank}").read_text())
+        alive = os.path.exists(f"/proc/{pid}") and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+        assert not alive, f"rank {rank} (pid {pid}) outlived the job"
+
+
+def test_torchrun_launches_the_example_unchanged(tmp_path: Path) -> None:
+    code, out, _ = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                         str(ROOT / "examples/train.py"), *TRAIN, "--checkpoint", "ck.pt"], tmp_path)
+    assert code == 0, out
+    assert out.count("accuracy") == 3 and (tmp_path / "ck.pt").exists()
+
+
+def test_restart_resumes_to_the_same_final_model(tmp_path: Path) -> None:
+    train = str(ROOT / "examples/train.py")
+    code, out, _ = _run(_launcher() + ["-np", "2", train, *TRAIN, "--checkpoint", "plain.pt"], tmp_path)
+    assert code == 0, out
+    code, out, _ = _run(_launcher() + ["-np", "2", "--max-restarts", "1", train, *TRAIN, "--resume",
+                                       "--kill-rank-at-epoch", "1", "--checkpoint", "restarted.pt"], tmp_path)
+    assert code == 0, out
+    assert "resumed from restarted.pt after epoch 0" in out, out
+    plain = torch.load(tmp_path / "plain.pt")
+    restarted = torch.load(tmp_path / "restarted.pt")
+    assert plain["epoch"] == restarted["epoch"] == 2
+    for key, value in plain["model"].items():
+        assert torch.equal(value, restarted["model"][key]), f"{key} differs after the restart"
