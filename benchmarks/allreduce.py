@@ -72,8 +72,9 @@ class Lib:
     """The calls the timing loop needs from one library."""
 
     def __init__(self, name: str, allreduce: Callable[[torch.Tensor], Any], barrier: Callable[[], Any],
-                 alloc: Callable[[int, torch.dtype], torch.Tensor]) -> None:
+                 alloc: Callable[[int, torch.dtype], torch.Tensor], sync: Callable[[], Any] = lambda: None) -> None:
         self.name, self.allreduce, self.barrier, self.alloc = name, allreduce, barrier, alloc
+        self.sync = sync  # waits for queued device work (CUDA); a no-op on the CPU
 
 
 def _max_over_ranks(values: list[float]) -> list[float]:
@@ -95,10 +96,11 @@ def _sum_over_ranks(value: int) -> int:
 def measure(lib: Lib, rank: int, world: int, count: int, dtype: torch.dtype, trials: int,
             trial_s: float) -> dict[str, Any]:
     """Check, calibrate and time one (library, size, dtype) point; the same dict on every rank."""
-    i = torch.arange(count, dtype=torch.int32) % 13
     t = lib.alloc(count, dtype)
+    i = torch.arange(count, dtype=torch.int32, device=t.device) % 13
     t.copy_(i + rank)
     lib.allreduce(t)
+    lib.sync()
     wrong = _sum_over_ranks(int((t != (i * world + world * (world - 1) // 2).to(dtype)).sum()))
     del i
     t.zero_()  # sums of zeros stay zero, so repeated in-place calls time the same work
@@ -107,6 +109,7 @@ def measure(lib: Lib, rank: int, world: int, count: int, dtype: torch.dtype, tri
     start = time.perf_counter()
     for _ in range(2):
         lib.allreduce(t)
+    lib.sync()
     (per_call,) = _max_over_ranks([(time.perf_counter() - start) / 2])
     iters = max(1, min(10000, round(trial_s / per_call)))
     usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -117,6 +120,7 @@ def measure(lib: Lib, rank: int, world: int, count: int, dtype: torch.dtype, tri
         start = time.perf_counter()
         for _ in range(iters):
             lib.allreduce(t)
+        lib.sync()
         times.append((time.perf_counter() - start) / iters)
     wall = time.perf_counter() - wall
     after = resource.getrusage(resource.RUSAGE_SELF)
@@ -139,15 +143,24 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, queue
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        dist.init_process_group("gloo")
-        torch_alloc = lambda n, d: torch.empty(n, dtype=d)  # noqa: E731
-        libs = {"gloo": Lib("gloo", dist.all_reduce, dist.barrier, torch_alloc)}
+        device, sync = torch.device("cpu"), (lambda: None)
+        backend = "gloo"
+        if args.device == "cuda":
+            device = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+            sync = torch.cuda.synchronize
+            backend = "nccl" if torch.cuda.device_count() >= world else "gloo"  # gloo stages CUDA tensors
+        dist.init_process_group(backend)
+        torch_alloc = lambda n, d: torch.empty(n, dtype=d, device=device)  # noqa: E731
+        libs = {"gloo": Lib(backend, dist.all_reduce, dist.barrier, torch_alloc, sync)}
         if "torchring" in args.libs:
             import torchring
 
             torchring.init()
             ring_alloc = (lambda n, d: torchring.empty((n,), dtype=d)) if args.alloc == "shm" else torch_alloc
-            libs["torchring"] = Lib("torchring", torchring.allreduce, torchring.barrier, ring_alloc)
+            if args.device == "cuda":
+                ring_alloc = torch_alloc
+            libs["torchring"] = Lib("torchring", torchring.allreduce, torchring.barrier, ring_alloc, sync)
         for dname in args.dtypes.split(","):
             dtype = DTYPES[dname]
             for nbytes in map(parse_size, args.sizes.split(",")):
@@ -245,6 +258,9 @@ def main() -> None:
     parser.add_argument("--alloc", default="torch", choices=["torch", "shm"],
                         help="allocate torchring's tensors with torch.empty or torchring.empty (zero-copy)")
     parser.add_argument("--libs", default="torchring,gloo", help="torchring and/or gloo (default both)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="cuda: tensors on the GPU; the peer is torch's NCCL group when every rank "
+                             "has a GPU, else gloo's CUDA path (the 'gloo' columns then show that peer)")
     parser.add_argument("--json", help="also write every measurement to this JSON file")
     parser.add_argument("--quick", action="store_true", help="world 2; 4K,1M,16M; 3 trials of ~0.1 s")
     args = parser.parse_args()

@@ -46,7 +46,9 @@ def timed_steps(model: nn.Module, batch: int, width: int, steps: int, warmup: in
                 barrier: Callable[[], None]) -> list[float]:
     """Seconds per training step on this rank (after warmup), each step started together."""
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    x, y = torch.randn(batch, width), torch.randn(batch, width)
+    device = next(model.parameters()).device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    x, y = torch.randn(batch, width, device=device), torch.randn(batch, width, device=device)
     times = []
     for step in range(warmup + steps):
         barrier()
@@ -54,6 +56,7 @@ def timed_steps(model: nn.Module, batch: int, width: int, steps: int, warmup: in
         opt.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
+        sync()
         if step >= warmup:
             times.append(time.perf_counter() - start)
     return times
@@ -70,7 +73,12 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: A
     from torch.nn.parallel import DistributedDataParallel
 
     store = dist.TCPStore("127.0.0.1", port, world, False)
-    dist.init_process_group("gloo", store=dist.PrefixStore("gloo", store), rank=rank, world_size=world)
+    device, backend = torch.device("cpu"), "gloo"
+    if args.device == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        backend = "nccl" if torch.cuda.device_count() >= world else "gloo"
+    dist.init_process_group(backend, store=dist.PrefixStore(backend, store), rank=rank, world_size=world)
     torchring.init()
 
     def step_max(times: list[float]) -> float:
@@ -79,10 +87,11 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: A
         return t.item()
 
     results: dict[str, list[float]] = {k: [] for k in ("single", "compute", "ddp", "torchring")}
-    model = mlp(args.width)
-    ddp = DistributedDataParallel(mlp(args.width))
-    wrapped = torchring.wrap(mlp(args.width))
-    flat = torch.ones(sum(p.numel() for p in model.parameters()))
+    model = mlp(args.width).to(device)
+    ddp = DistributedDataParallel(mlp(args.width).to(device),
+                                  device_ids=[device.index] if device.type == "cuda" else None)
+    wrapped = torchring.wrap(mlp(args.width).to(device))
+    flat = torch.ones(sum(p.numel() for p in model.parameters()), device=device)
     bare = []
     for _ in range(args.rounds):
         if rank == 0:
@@ -99,6 +108,8 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: A
         torchring.barrier()
         start = time.perf_counter()
         torchring.allreduce(flat, torchring.ReduceOp.AVG)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         bare.append(step_max([time.perf_counter() - start]))
     stats = wrapped.bucket_stats()
     if rank == 0:
@@ -116,6 +127,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="cuda: the peer is DDP over NCCL (gloo when ranks share a GPU)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
 

@@ -23,13 +23,51 @@ import torch
 
 _NAME = "torchring_C"
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_CFLAGS = ["-O3", "-march=native", "-std=c++17", "-Wall", "-Wno-unused-function"]
+_CFLAGS = ["-O3", "-march=native", "-Wall", "-Wno-unused-function"]  # the C++ standard: whatever this torch needs (cpp_extension sets it)
 _module: ModuleType | None = None
 
 
+def nccl_paths() -> tuple[str, str] | None:
+    """(include dir, lib dir) of NCCL for a CUDA build of torch: NCCL_HOME, else the
+    nvidia-nccl wheel torch depends on; None on a CPU build of torch, without NCCL, or
+    without a CUDA toolkit to compile against."""
+    if not torch.version.cuda or cuda_home() is None:
+        return None
+    home = os.environ.get("NCCL_HOME")
+    candidates = [Path(home)] if home else []
+    try:
+        import nvidia.nccl  # the wheel CUDA builds of torch install
+        candidates += [Path(p) for p in nvidia.nccl.__path__]
+    except ImportError:
+        pass
+    for root in candidates:
+        if (root / "include" / "nccl.h").exists() and (root / "lib").is_dir():
+            return str(root / "include"), str(root / "lib")
+    return None
+
+
+def cuda_home() -> str | None:
+    """The CUDA toolkit that has cuda.h: CUDA_HOME or CUDA_PATH, the real location of nvcc
+    (a /usr/local/bin/nvcc link would otherwise make cpp_extension guess /usr/local), or
+    /usr/local/cuda."""
+    import shutil
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(str(Path(os.path.realpath(nvcc)).parent.parent))
+    candidates.append("/usr/local/cuda")
+    for home in candidates:
+        if home and (Path(home) / "include" / "cuda.h").exists():
+            return home
+    return None
+
+
 def sources() -> list[Path]:
-    """The engine's C++ sources (CPU build)."""
-    return sorted(p for p in _CSRC.glob("*.cpp"))
+    """The engine's C++ sources: the CPU engine, plus the NCCL path when it can be built."""
+    found = sorted(_CSRC.glob("*.cpp"))
+    if nccl_paths() is not None:
+        found += sorted((_CSRC / "cuda").glob("*.cpp"))
+    return found
 
 
 def _cpu_flags() -> str:
@@ -46,9 +84,9 @@ def _cpu_flags() -> str:
 def cache_key() -> str:
     """Hash of everything the compiled engine depends on."""
     h = hashlib.sha256()
-    for part in (torch.__version__, sys.version, " ".join(_CFLAGS), _cpu_flags()):
+    for part in (torch.__version__, sys.version, " ".join(_CFLAGS), _cpu_flags(), str(nccl_paths())):
         h.update(part.encode())
-    for path in sources() + sorted(_CSRC.glob("*.h")):
+    for path in sources() + sorted(_CSRC.glob("*.h")) + sorted(_CSRC.glob("cuda/*.h")):
         h.update(path.name.encode())
         h.update(path.read_bytes())
     return h.hexdigest()[:16]
@@ -91,17 +129,34 @@ def load(verbose: bool = False) -> ModuleType:
 
 
 def _compile(directory: Path, verbose: bool) -> None:
+    nccl = nccl_paths()
+    if nccl is not None:
+        os.environ.setdefault("CUDA_HOME", cuda_home() or "")  # read when cpp_extension is imported
     from torch.utils import cpp_extension
 
     start = time.time()
     print(f"torchring: building the engine in {directory} (once per torch version)...",
           file=sys.stderr, flush=True)
+    cflags, includes, ldflags = list(_CFLAGS), [], []
+    if nccl is not None:
+        include, lib = nccl
+        cflags.append("-DTORCHRING_WITH_NCCL")
+        includes += [include, os.path.join(cuda_home() or "", "include")]
+        try:  # the CUDA headers of the nvidia wheels (some toolkits ship nvcc and little else)
+            import nvidia.cu13
+            includes += [os.path.join(p, "include") for p in nvidia.cu13.__path__]
+        except ImportError:
+            pass
+        ldflags += [f"-L{lib}", "-l:libnccl.so.2", f"-Wl,-rpath,{lib}"]
     cpp_extension.load(
         name=_NAME,
         sources=[str(p) for p in sources()],
-        extra_cflags=_CFLAGS,
+        extra_cflags=cflags,
+        extra_include_paths=includes,
+        extra_ldflags=ldflags,
         build_directory=str(directory),
         verbose=verbose,
+        with_cuda=nccl is not None,
         is_python_module=True,
     )
     print(f"torchring: engine built in {time.time() - start:.0f} s", file=sys.stderr, flush=True)

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import _build, _env
+from . import _build, _env, cuda
 from ._errors import TorchringError
 
 DEFAULT_TIMEOUT = 300.0
@@ -170,6 +170,12 @@ def init(timeout: float | None = None) -> None:
     used = "none" if world == 1 else "+".join(
         t for t, on in (("shm", comm.has_shm), ("tcp", comm.num_hosts > 1)) if on)
     _state = _State(launch, comm, local_rank, local_size, used or "none", arena_mb)
+    try:
+        cuda.setup(engine, dist.PrefixStore(prefix, store) if store is not None else None, "", rank,
+                   world, local_rank, host, timeout)
+    except BaseException:
+        shutdown()
+        raise
 
 
 def _wire(comm: Any, store: dist.Store, prefix: str, launch: _env.Launch, host: str,
@@ -208,6 +214,7 @@ def shutdown() -> None:
     if _state is None:
         return
     state, _state = _state, None
+    cuda.teardown()
     state.comm.shutdown()
 
 

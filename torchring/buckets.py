@@ -83,15 +83,22 @@ def grad_view(buffer: torch.Tensor, offset: int, p: torch.Tensor) -> torch.Tenso
     return buffer[offset:offset + p.numel()].view(p.shape)
 
 
+def _flat(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A flat buffer: in shared memory on the CPU (zero-copy transport), on the GPU otherwise."""
+    if device.type == "cpu":
+        return memory.empty(numel, dtype)
+    return torch.empty(numel, dtype=dtype, device=device)
+
+
 def build(params: list[torch.nn.Parameter], names: list[str], order: list[int],
           first_cap: int, cap: int, compression: torch.dtype | None) -> list[Bucket]:
     """Allocates the buckets for `params` and moves existing gradients into them."""
     sizes = [(p.numel() * p.element_size(), p.device, p.dtype) for p in params]
     buckets = []
     for index, group in enumerate(assign(sizes, order, first_cap, cap)):
-        dtype = params[group[0]].dtype
+        dtype, device = params[group[0]].dtype, params[group[0]].device
         total = sum(params[i].numel() for i in group)
-        buffer = memory.empty(total, dtype)
+        buffer = _flat(total, dtype, device)
         buffer.zero_()
         views, offset = [], 0
         for i in group:
@@ -104,7 +111,7 @@ def build(params: list[torch.nn.Parameter], names: list[str], order: list[int],
             offset += p.numel()
         wire = None
         if compression is not None and dtype.is_floating_point and dtype != compression:
-            wire = memory.empty(total, compression)
+            wire = _flat(total, compression, device)
         buckets.append(Bucket(index, [params[i] for i in group], [names[i] for i in group],
                               list(group), buffer, views, wire, pending=len(group),
                               fired=[False] * len(group)))

@@ -39,7 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     info = report()
     print("torchring engine")
     print(f"  transports : {', '.join(info['transports'])}")
-    print(f"  nccl       : {'yes' if info['nccl'] else 'no'}")
+    if info["nccl"]:
+        print(f"  nccl       : yes ({info['nccl_version']})")
+    elif torch.version.cuda:
+        print("  nccl       : no (CUDA build of torch, but no nccl.h found: set NCCL_HOME)")
+    else:
+        print("  nccl       : no (CPU build of torch; CUDA tensors need a CUDA build)")
     print(f"  cuda       : {'yes' if info['cuda'] else 'no'}")
     print(f"  float16    : {info['float16_kernel']}")
     print(f"  torch      : {info['torch']}")

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import _context
+from . import _context, cuda
 
 __all__ = [
     "ReduceOp", "Handle", "allreduce", "allreduce_async", "broadcast", "broadcast_async",
@@ -64,6 +64,12 @@ class Handle:
             self._done = True
         return self._result
 
+    def synchronize(self, timeout: float | None = None) -> Any:
+        """Like wait(), but for CUDA work also blocks the host until the GPU finished it."""
+        if hasattr(self._work, "synchronize"):
+            self._work.synchronize(0.0 if timeout is None else float(timeout))
+        return self.wait(timeout)
+
     def is_completed(self) -> bool:
         """True once the operation finished, successfully or not (wait() tells which)."""
         return self._done or self._work.is_completed()
@@ -90,9 +96,11 @@ def _check_tensor(t: Any, what: str) -> torch.Tensor:
         names = ", ".join(str(d).replace("torch.", "") for d in _DTYPES)
         raise TypeError(f"{where}: dtype {t.dtype} of tensor {list(t.shape)} is not supported; "
                         f"use one of {names}")
-    if t.device.type != "cpu":
-        raise ValueError(f"{where}: tensor {_describe(t)} is on {t.device}; this build of "
-                         "torchring handles CPU tensors only (see python -m torchring.build)")
+    if t.device.type == "cuda":
+        cuda.check(t, where)
+    elif t.device.type != "cpu":
+        raise ValueError(f"{where}: tensor {_describe(t)} is on {t.device}; torchring handles "
+                         "CPU and CUDA tensors")
     if not t.is_contiguous():
         raise ValueError(f"{where}: tensor {_describe(t)} is not contiguous (strides "
                          f"{t.stride()}); pass tensor.contiguous() and use that tensor afterwards")
@@ -127,25 +135,37 @@ def _submit(kind: _Kind, t: torch.Tensor | None, op: int, root: int, inline: boo
 def allreduce_async(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> Handle:
     """Starts an in-place allreduce of `tensor`; wait() returns `tensor`."""
     t = _check_tensor(tensor, "allreduce_async")
-    return Handle(_submit(_Kind.ALLREDUCE, t, _check_op(t, op, "allreduce_async"), -1, False))
+    op = _check_op(t, op, "allreduce_async")
+    if t.is_cuda:
+        return cuda.allreduce(t, op)
+    return Handle(_submit(_Kind.ALLREDUCE, t, op, -1, False))
 
 
 def allreduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
     """Reduces `tensor` across ranks in place and returns it."""
     t = _check_tensor(tensor, "allreduce")
-    return Handle(_submit(_Kind.ALLREDUCE, t, _check_op(t, op, "allreduce"), -1, True)).wait()
+    op = _check_op(t, op, "allreduce")
+    if t.is_cuda:
+        return cuda.allreduce(t, op).wait()
+    return Handle(_submit(_Kind.ALLREDUCE, t, op, -1, True)).wait()
 
 
 def broadcast_async(tensor: torch.Tensor, src: int = 0) -> Handle:
     """Starts copying rank `src`'s `tensor` into every rank's `tensor`."""
     t = _check_tensor(tensor, "broadcast_async")
-    return Handle(_submit(_Kind.BROADCAST, t, 0, _check_src(src, "broadcast_async"), False))
+    src = _check_src(src, "broadcast_async")
+    if t.is_cuda:
+        return cuda.broadcast(t, src)
+    return Handle(_submit(_Kind.BROADCAST, t, 0, src, False))
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
     """Copies rank `src`'s `tensor` into every rank's `tensor` and returns it."""
     t = _check_tensor(tensor, "broadcast")
-    return Handle(_submit(_Kind.BROADCAST, t, 0, _check_src(src, "broadcast"), True)).wait()
+    src = _check_src(src, "broadcast")
+    if t.is_cuda:
+        return cuda.broadcast(t, src).wait()
+    return Handle(_submit(_Kind.BROADCAST, t, 0, src, True)).wait()
 
 
 def _gather_input(tensor: torch.Tensor, what: str) -> torch.Tensor:
@@ -156,12 +176,16 @@ def _gather_input(tensor: torch.Tensor, what: str) -> torch.Tensor:
 def allgather_async(tensor: torch.Tensor) -> Handle:
     """Starts an allgather; wait() returns every rank's tensor concatenated along dim 0."""
     t = _gather_input(tensor, "allgather_async")
+    if t.is_cuda:
+        return cuda.allgather(t)
     return Handle(_submit(_Kind.ALLGATHER, t, 0, -1, False))
 
 
 def allgather(tensor: torch.Tensor) -> torch.Tensor:
     """Concatenates every rank's `tensor` along dim 0 (its size may differ per rank)."""
     t = _gather_input(tensor, "allgather")
+    if t.is_cuda:
+        return cuda.allgather(t).wait()
     return Handle(_submit(_Kind.ALLGATHER, t, 0, -1, True)).wait()
 
 
@@ -173,6 +197,8 @@ def _reduce_scatter(tensor: torch.Tensor, op: ReduceOp, what: str, inline: bool)
         raise ValueError(f"rank {me}: torchring.{what}: dim 0 of tensor {_describe(t)} must be "
                          f"divisible by the world size {world}; pad it to a multiple of {world}")
     rows = t.shape[0] // world
+    if t.is_cuda:
+        return cuda.reduce_scatter(t, op)
     work = _submit(_Kind.REDUCE_SCATTER, t.clone(), op, -1, inline)
     return Handle(work, lambda out: out[me * rows:(me + 1) * rows].clone())
 

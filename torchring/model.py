@@ -26,7 +26,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from . import _context, buckets as bucketing, collectives
+from . import _context, buckets as bucketing, collectives, cuda
 from ._errors import TorchringError
 
 _MB = 1 << 20
@@ -76,9 +76,11 @@ class DistributedModel(nn.Module):
             if isinstance(p, nn.parameter.UninitializedParameter):
                 raise ValueError(f"{where}: parameter '{name}' is uninitialized (lazy module); "
                                  "run one forward pass before wrapping")
-            if p.device.type != "cpu":
-                raise ValueError(f"{where}: parameter {_describe(name, p)} is on {p.device}; this "
-                                 "build handles CPU models only (python -m torchring.build)")
+            if p.device.type == "cuda":
+                cuda.check(p, f"{where}: parameter '{name}'")
+            elif p.device.type != "cpu":
+                raise ValueError(f"{where}: parameter {_describe(name, p)} is on {p.device}; "
+                                 "torchring handles CPU and CUDA models")
 
     def _verify_and_broadcast(self) -> None:
         """Every rank checks every rank's parameter list, then takes rank 0's values."""

@@ -7,6 +7,9 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "communicator.h"
+#ifdef TORCHRING_WITH_NCCL
+#include "cuda/nccl.h"
+#endif
 
 namespace py = pybind11;
 using torchring::CommOptions;
@@ -37,8 +40,14 @@ std::shared_ptr<Communicator> makeCommunicator(int rank, int size,
 py::dict buildInfo() {
   py::dict info;
   info["transports"] = py::make_tuple("shm", "tcp");
+#ifdef TORCHRING_WITH_NCCL
+  info["nccl"] = true;
+  info["cuda"] = true;
+  info["nccl_version"] = torchring::NcclComm::version();
+#else
   info["nccl"] = false;
   info["cuda"] = false;
+#endif
 #ifdef __FLT16_MAX__
   info["float16_kernel"] = "_Float16";
 #else
@@ -61,6 +70,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     }
   });
   m.def("build_info", &buildInfo);
+
+#ifdef TORCHRING_WITH_NCCL
+  using torchring::NcclComm;
+  using torchring::NcclWork;
+  m.def("nccl_unique_id", [] { return py::bytes(NcclComm::uniqueId()); });
+  py::class_<NcclWork, std::shared_ptr<NcclWork>>(m, "NcclWork")
+      .def("wait", &NcclWork::wait, py::call_guard<py::gil_scoped_release>())
+      .def("synchronize", &NcclWork::synchronize, py::arg("timeout") = 0.0,
+           py::call_guard<py::gil_scoped_release>())
+      .def("is_completed", &NcclWork::isCompleted);
+  py::class_<NcclComm, std::shared_ptr<NcclComm>>(m, "NcclComm")
+      .def(py::init<int, int, int, std::string, double>(), py::arg("rank"), py::arg("size"),
+           py::arg("device"), py::arg("unique_id"), py::arg("timeout"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("allreduce", [](NcclComm& c, at::Tensor t, int op) { return c.allreduce(t, static_cast<ReduceOp>(op)); })
+      .def("broadcast", &NcclComm::broadcast)
+      .def("allgather", &NcclComm::allgather)
+      .def("reduce_scatter", [](NcclComm& c, at::Tensor t, int op) { return c.reduceScatter(t, static_cast<ReduceOp>(op)); })
+      .def("abort", &NcclComm::abort);
+#endif
 
   py::class_<Work, std::shared_ptr<Work>>(m, "Work")
       .def("wait", &Work::wait, py::arg("timeout") = 0.0, py::call_guard<py::gil_scoped_release>())

@@ -192,7 +192,7 @@ void TcpRing::connect(const std::string& rightAddr, int rightPort) {
   setNoDelay(sendFd_);
   Hello hello{};
   std::memcpy(hello.magic, kMagic, sizeof(kMagic));
-  std::strncpy(hello.secret, opt_.secret.c_str(), sizeof(hello.secret));
+  std::memcpy(hello.secret, opt_.secret.data(), std::min(opt_.secret.size(), sizeof(hello.secret) - 1));
   hello.fromRank = opt_.rank;
   hello.toRank = opt_.rightRank;
   setTimeouts(sendFd_, std::max(0.001, remaining()));

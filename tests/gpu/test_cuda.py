@@ -1,0 +1,104 @@
+"""The GPU path, on a machine with a CUDA device (benchmarks/gpu_suite.sh runs this file).
+
+World 1 goes over NCCL; worlds 2-4 share the one GPU, which NCCL refuses, so they take the
+staged path (pinned host buffers through the CPU engine). Every result is compared with a
+single-process reference computed on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from _checks import DTYPES, expected_allreduce, rank_input, valid_ops
+from _dist import spawn
+
+
+def _collectives(rank: int, expected_path: str) -> list[str]:
+    import torchring
+    torchring.init()
+    bad = []
+    try:
+        world = torchring.size()
+        if torchring.cuda.path() != expected_path:
+            bad.append(f"path {torchring.cuda.path()} ({torchring.cuda.reason()}), expected {expected_path}")
+        dev = torchring.cuda.device()
+        for dtype in DTYPES:
+            for op in valid_ops(dtype):
+                for n in (0, 1, 7, 1000, 2**20 + 3):
+                    t = rank_input(rank, world, n, dtype, op).to(dev)
+                    torchring.allreduce(t, getattr(torchring.ReduceOp, op))
+                    want = expected_allreduce(world, n, dtype, op).to(dev)
+                    if not torch.allclose(t.double(), want.double(), rtol=1e-3 if op == "AVG" else 0, atol=0):
+                        bad.append(f"allreduce {dtype}[{n}] {op}")
+        h = torchring.allreduce_async(torch.ones(1 << 20, device=dev))
+        out = h.wait()          # stream-ordered: the next kernel on this stream sees the result
+        if out.sum().item() != world * (1 << 20):
+            bad.append("async allreduce + wait")
+        if not torch.equal(h.synchronize(), out):
+            bad.append("synchronize")
+        for src in range(world):
+            b = torch.arange(1000, device=dev, dtype=torch.float32) * (rank == src)
+            torchring.broadcast(b, src)
+            if not torch.equal(b, torch.arange(1000, device=dev, dtype=torch.float32)):
+                bad.append(f"broadcast from {src}")
+        g = torchring.allgather(torch.full((rank + 1, 3), float(rank), device=dev))
+        want = torch.cat([torch.full((r + 1, 3), float(r)) for r in range(world)]).to(dev)
+        if not torch.equal(g, want):
+            bad.append("allgather")
+        x = torch.arange(world * 4 * 2, device=dev, dtype=torch.float32).reshape(world * 4, 2) + rank
+        got = torchring.reduce_scatter(x)
+        full = sum(torch.arange(world * 8, dtype=torch.float32).reshape(world * 4, 2) + r for r in range(world))
+        if not torch.equal(got.cpu(), full[rank * 4:(rank + 1) * 4]):
+            bad.append("reduce_scatter")
+        return bad
+    finally:
+        torchring.shutdown()
+
+
+def _wrap_parity(rank: int) -> list[str]:
+    import torchring
+    torchring.init()
+    try:
+        world, dev = torchring.size(), torchring.cuda.device()
+        torch.manual_seed(0)
+        ref = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4)).to(dev)
+        model = torchring.wrap(nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4)).to(dev),
+                               bucket_cap_mb=0.002, first_bucket_mb=0.001)
+        model.load_state_dict(ref.state_dict())
+        opt_ref, opt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(1)
+        bad = []
+        for step in range(4):
+            x = torch.randint(-3, 4, (4 * world, 16), generator=g).float().to(dev)
+            y = torch.randint(-3, 4, (4 * world, 4), generator=g).float().to(dev)
+            opt_ref.zero_grad()
+            nn.functional.mse_loss(ref(x), y).backward()
+            opt_ref.step()
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x[rank * 4:(rank + 1) * 4]), y[rank * 4:(rank + 1) * 4]).backward()
+            opt.step()
+            for (name, a), b in zip(model.module.named_parameters(), ref.parameters()):
+                if not torch.allclose(a, b, rtol=1e-4, atol=1e-5):
+                    bad.append(f"step {step}: {name} differs from single-process training")
+        return bad
+    finally:
+        torchring.shutdown()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_collectives_on_cuda(world: int) -> None:
+    path = "nccl" if world == 1 or torch.cuda.device_count() >= world else "staged"
+    for failures in spawn(world, _collectives, path, timeout=600):
+        assert failures == []
+
+
+def test_forced_staged_path() -> None:
+    for failures in spawn(1, _collectives, "staged", env={"TORCHRING_CUDA_PATH": "staged"}):
+        assert failures == []
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_wrap_parity_on_cuda(world: int) -> None:
+    for failures in spawn(world, _wrap_parity, timeout=600):
+        assert failures == []

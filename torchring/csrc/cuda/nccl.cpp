@@ -1,0 +1,249 @@
+#include "nccl.h"
+
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <chrono>
+#include <cstring>
+#include <sstream>
+#include <thread>
+
+namespace torchring {
+namespace {
+
+ncclDataType_t ncclType(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat: return ncclFloat32;
+    case at::kDouble: return ncclFloat64;
+    case at::kHalf: return ncclFloat16;
+    case at::kBFloat16: return ncclBfloat16;
+    case at::kChar: return ncclInt8;
+    case at::kByte:
+    case at::kBool: return ncclUint8;
+    case at::kInt: return ncclInt32;
+    case at::kLong: return ncclInt64;
+    default:
+      throw std::invalid_argument(std::string("NCCL path: unsupported dtype ") + c10::toString(type));
+  }
+}
+
+ncclRedOp_t ncclOp(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::SUM: return ncclSum;
+    case ReduceOp::PRODUCT: return ncclProd;
+    case ReduceOp::MIN: return ncclMin;
+    case ReduceOp::MAX: return ncclMax;
+    case ReduceOp::AVG: return ncclAvg;
+  }
+  return ncclSum;
+}
+
+std::string describe(const at::Tensor& t) {
+  std::ostringstream out;
+  out << c10::toString(t.scalar_type()) << t.sizes() << " on " << t.device();
+  return out.str();
+}
+
+void cudaCheck(cudaError_t result, const char* call) {
+  if (result != cudaSuccess) {
+    throw TorchringError(std::string(call) + " failed: " + cudaGetErrorString(result));
+  }
+}
+
+}  // namespace
+
+Event::Event() { cudaCheck(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming), "cudaEventCreate"); }
+
+Event::~Event() {
+  if (event_ != nullptr) cudaEventDestroy(event_);
+}
+
+void Event::record(cudaStream_t stream) { cudaCheck(cudaEventRecord(event_, stream), "cudaEventRecord"); }
+
+void Event::block(cudaStream_t stream) {
+  cudaCheck(cudaStreamWaitEvent(stream, event_, 0), "cudaStreamWaitEvent");
+}
+
+bool Event::query() const {
+  cudaError_t result = cudaEventQuery(event_);
+  if (result == cudaErrorNotReady) return false;
+  cudaCheck(result, "cudaEventQuery");
+  return true;
+}
+
+std::string NcclComm::uniqueId() {
+  ncclUniqueId id;
+  ncclResult_t result = ncclGetUniqueId(&id);
+  if (result != ncclSuccess) {
+    throw TorchringError(std::string("ncclGetUniqueId failed: ") + ncclGetErrorString(result));
+  }
+  return std::string(id.internal, sizeof(id.internal));
+}
+
+std::string NcclComm::version() {
+  int v = 0;
+  ncclGetVersion(&v);
+  return std::to_string(v / 10000) + "." + std::to_string((v / 100) % 100) + "." + std::to_string(v % 100);
+}
+
+NcclComm::NcclComm(int rank, int size, int device, const std::string& uniqueId, double timeoutSec)
+    : rank_(rank), size_(size), device_(device), timeoutSec_(timeoutSec),
+      stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device)) {
+  c10::cuda::CUDAGuard guard(device);
+  ncclUniqueId id;
+  std::memcpy(id.internal, uniqueId.data(), sizeof(id.internal));
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;  // lets setup be timed out and aborted
+  ncclResult_t result = ncclCommInitRankConfig(&comm_, size, id, rank, &config);
+  if (result != ncclSuccess && result != ncclInProgress) check(result, "ncclCommInitRankConfig", "setup");
+  waitEnqueued("ncclCommInitRankConfig", "setup (waiting for every rank to join)");
+}
+
+NcclComm::~NcclComm() {
+  if (comm_ == nullptr) return;
+  if (aborted_) return;
+  ncclCommDestroy(comm_);
+}
+
+void NcclComm::abort(const std::string& why) {
+  if (aborted_ || comm_ == nullptr) return;
+  aborted_ = true;
+  failure_ = why;
+  ncclCommAbort(comm_);
+}
+
+void NcclComm::check(ncclResult_t result, const std::string& call, const std::string& what) {
+  if (result == ncclSuccess || result == ncclInProgress) return;
+  std::ostringstream msg;
+  msg << "rank " << rank_ << " (this process, cuda:" << device_ << "): " << call << " for " << what
+      << " failed: " << ncclGetErrorString(result);
+  const char* last = comm_ ? ncclGetLastError(comm_) : nullptr;
+  if (last != nullptr && *last) msg << " (" << last << ")";
+  msg << "; the NCCL communicator is aborted: call torchring.shutdown() and torchring.init()";
+  abort(msg.str());
+  throw TorchringError(msg.str());
+}
+
+void NcclComm::waitEnqueued(const std::string& call, const std::string& what) {
+  auto start = std::chrono::steady_clock::now();
+  for (;;) {
+    ncclResult_t state = ncclSuccess;
+    ncclCommGetAsyncError(comm_, &state);
+    if (state == ncclSuccess) return;
+    if (state != ncclInProgress) check(state, call, what);
+    if (secondsSince(start) > timeoutSec_) {
+      std::ostringstream msg;
+      msg << "rank " << rank_ << ": " << call << " for " << what << " timed out after " << timeoutSec_
+          << " s (a rank did not take part; TORCHRING_TIMEOUT)";
+      abort(msg.str());
+      throw TorchringError(msg.str());
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+void NcclComm::checkAsyncError(const std::string& what) {
+  if (aborted_) {
+    throw TorchringError("rank " + std::to_string(rank_) + ": " + what +
+                         ": the NCCL communicator failed earlier: " + failure_);
+  }
+  ncclResult_t state = ncclSuccess;
+  ncclCommGetAsyncError(comm_, &state);
+  if (state != ncclSuccess && state != ncclInProgress) check(state, "NCCL (asynchronous error)", what);
+}
+
+template <typename F>
+std::shared_ptr<NcclWork> NcclComm::launch(const std::string& call, const std::string& what,
+                                           const std::vector<at::Tensor>& tensors, at::Tensor result,
+                                           F enqueue) {
+  checkAsyncError(what);
+  c10::cuda::CUDAGuard guard(device_);
+  auto current = c10::cuda::getCurrentCUDAStream(device_);
+  Event ready;
+  ready.record(current.stream());
+  ready.block(stream_.stream());  // the NCCL stream starts after the caller's queued work
+  check(enqueue(stream_.stream()), call, what);
+  waitEnqueued(call, what);
+  for (const auto& t : tensors) {
+    c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream_);
+  }
+  auto done = std::make_shared<Event>();
+  done->record(stream_.stream());
+  return std::make_shared<NcclWork>(shared_from_this(), done, std::move(result), what);
+}
+
+std::shared_ptr<NcclWork> NcclComm::allreduce(at::Tensor t, ReduceOp op) {
+  std::string what = "allreduce #" + std::to_string(seq_++) + " " + describe(t);
+  return launch("ncclAllReduce", what, {t}, t, [&](cudaStream_t s) {
+    return ncclAllReduce(t.data_ptr(), t.data_ptr(), t.numel(), ncclType(t.scalar_type()), ncclOp(op), comm_, s);
+  });
+}
+
+std::shared_ptr<NcclWork> NcclComm::broadcast(at::Tensor t, int root) {
+  std::string what = "broadcast #" + std::to_string(seq_++) + " " + describe(t) + " root=" + std::to_string(root);
+  return launch("ncclBroadcast", what, {t}, t, [&](cudaStream_t s) {
+    return ncclBroadcast(t.data_ptr(), t.data_ptr(), t.numel(), ncclType(t.scalar_type()), root, comm_, s);
+  });
+}
+
+// Allgather with a different dim-0 size per rank: one broadcast per rank, grouped so NCCL
+// runs them as a single operation, each writing its piece straight to its place in `out`.
+std::shared_ptr<NcclWork> NcclComm::allgather(at::Tensor t, const std::vector<int64_t>& rows) {
+  std::vector<int64_t> sizes = t.sizes().vec();
+  int64_t total = 0;
+  for (auto r : rows) total += r;
+  sizes[0] = total;
+  at::Tensor out = at::empty(sizes, t.options());
+  const int64_t rowElems = t.size(0) > 0 ? t.numel() / t.size(0) : 0;
+  std::string what = "allgather #" + std::to_string(seq_++) + " " + describe(t);
+  return launch("ncclBroadcast (grouped allgather)", what, {t, out}, out, [&](cudaStream_t s) {
+    ncclGroupStart();
+    int64_t offset = 0;
+    for (int r = 0; r < size_; ++r) {
+      const int64_t elems = rows[r] * rowElems;
+      char* dst = static_cast<char*>(out.data_ptr()) + offset * t.element_size();
+      const void* src = r == rank_ ? t.data_ptr() : dst;
+      if (elems > 0) ncclBroadcast(src, dst, elems, ncclType(t.scalar_type()), r, comm_, s);
+      offset += elems;
+    }
+    return ncclGroupEnd();
+  });
+}
+
+std::shared_ptr<NcclWork> NcclComm::reduceScatter(at::Tensor t, ReduceOp op) {
+  std::vector<int64_t> sizes = t.sizes().vec();
+  sizes[0] /= size_;
+  at::Tensor out = at::empty(sizes, t.options());
+  std::string what = "reduce_scatter #" + std::to_string(seq_++) + " " + describe(t);
+  return launch("ncclReduceScatter", what, {t, out}, out, [&](cudaStream_t s) {
+    return ncclReduceScatter(t.data_ptr(), out.data_ptr(), out.numel(), ncclType(t.scalar_type()),
+                             ncclOp(op), comm_, s);
+  });
+}
+
+bool NcclWork::isCompleted() { return done_->query(); }
+
+at::Tensor NcclWork::wait() {
+  comm_->checkAsyncError(what_);
+  done_->block(c10::cuda::getCurrentCUDAStream(comm_->device()).stream());
+  return result_;
+}
+
+at::Tensor NcclWork::synchronize(double timeoutSec) {
+  if (timeoutSec <= 0) timeoutSec = comm_->timeout();
+  auto start = std::chrono::steady_clock::now();
+  while (!done_->query()) {
+    comm_->checkAsyncError(what_);
+    if (secondsSince(start) > timeoutSec) {
+      std::ostringstream msg;
+      msg << "rank " << comm_->rank() << ": " << what_ << " did not complete within " << timeoutSec
+          << " s (a rank is missing or stuck); the NCCL communicator is aborted";
+      comm_->abort(msg.str());
+      throw TorchringError(msg.str());
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+  return result_;
+}
+
+}  // namespace torchring
