@@ -45,6 +45,8 @@ torchring.init()
 open(os.path.join(sys.argv[2], f"pid{torchring.rank()}"), "w").write(str(os.getpid()))
 torchring.allreduce(torch.ones(3))
 if torchring.rank() == 1:
+    if sys.argv[1] == "wait":
+        time.sleep(120)
     if sys.argv[1] == "raise":
         raise SystemExit(7)
     os.kill(os.getpid(), signal.SIGKILL)
@@ -85,3 +87,22 @@ def test_restart_resumes_to_the_same_final_model(tmp_path: Path) -> None:
     assert plain["epoch"] == restarted["epoch"] == 2
     for key, value in plain["model"].items():
         assert torch.equal(value, restarted["model"][key]), f"{key} differs after the restart"
+
+
+def test_ctrl_c_stops_every_rank(tmp_path: Path) -> None:
+    script = tmp_path / "waiting.py"
+    script.write_text(_FAILING)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(_launcher() + ["-np", "2", str(script), "wait", str(tmp_path)], cwd=tmp_path,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"pid{r}").exists() for r in range(2)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)
+    proc.send_signal(2)  # SIGINT, what Ctrl-C sends
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode != 0, out
+    for rank in range(2):
+        pid = int((tmp_path / f"pid{rank}").read_text())
+        alive = os.path.exists(f"/proc/{pid}") and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+        assert not alive, f"rank {rank} (pid {pid}) survived Ctrl-C"

@@ -132,6 +132,9 @@ def _compile(directory: Path, verbose: bool) -> None:
     nccl = nccl_paths()
     if nccl is not None:
         os.environ.setdefault("CUDA_HOME", cuda_home() or "")  # read when cpp_extension is imported
+        # The engine has no device code, so the arch list changes nothing; but on a machine
+        # without a GPU cpp_extension cannot derive one and fails unless it is given.
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
     from torch.utils import cpp_extension
 
     start = time.time()
