@@ -102,8 +102,10 @@ def test_iterable_sharding_across_ranks_and_workers(workers: int) -> None:
     flat = sum(per_rank, [])
     assert len(flat) == len(set(flat)), "an item reached two shards"
     assert len({len(p) for p in per_rank}) == 1, "ranks got different counts with even=True"
-    shards = world * max(1, workers)
-    assert len(flat) == (n // shards) * shards
+    assert len(flat) == (n // world) * world
+    # What a rank reads does not depend on its number of loader workers.
+    alone = [sorted(trd.ShardedIterableDataset(_Stream(n), world, r, even=True)) for r in range(world)]
+    assert [sorted(p) for p in per_rank] == alone
     uneven = [list(trd.ShardedIterableDataset(_Stream(n), world, r, even=False)) for r in range(world)]
     assert sorted(sum(uneven, [])) == list(range(n))
 
@@ -198,3 +200,15 @@ def test_loader_defaults_and_errors() -> None:
     # The prefetcher's pass is the loader's next epoch: all samples again, in another order.
     assert sorted(seen_next) == list(range(10))
     assert [r["prefetched"] for r in results] != [r["batches"] for r in results]
+
+
+def test_dataloader_making_two_iterators_does_not_skip_an_epoch() -> None:
+    # With batch_size=None and workers, torch's DataLoader calls iter(sampler) twice when an
+    # epoch starts; the epoch must still be 0 the first time, as with torch's sampler.
+    ds = list(range(20))
+    ours = trd.DistributedSampler(ds, 2, 1, seed=4)
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, sampler=ours, num_workers=1)
+    theirs = TorchSampler(ds, 2, 1, seed=4)
+    for epoch in range(2):
+        theirs.set_epoch(epoch)
+        assert [int(x) for x in loader] == list(theirs), f"epoch {epoch}"

@@ -38,6 +38,9 @@ def test_slurm_takes_the_first_node_and_a_job_specific_port() -> None:
     assert (got.rank, got.world_size, got.local_rank, got.source) == (6, 8, 2, "slurm")
     assert got.master_addr == "gpu07" and got.master_port == _env.DEFAULT_PORT + 4242 % 1000
     assert got.job_id == "4242"
+    batch = _env.detect({"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "1",
+                         "SLURM_JOB_NODELIST": "gpu07"})
+    assert batch.world_size == 1, "a batch script run without srun is one task"
 
 
 def test_single_process_without_launcher() -> None:

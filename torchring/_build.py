@@ -23,7 +23,7 @@ import torch
 
 _NAME = "torchring_C"
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_CFLAGS = ["-O3", "-march=native", "-Wall", "-Wno-unused-function"]  # the C++ standard: whatever this torch needs (cpp_extension sets it)
+_CFLAGS = ["-O3", "-march=native", "-fwrapv", "-Wall", "-Wno-unused-function"]  # the C++ standard: whatever this torch needs (cpp_extension sets it)
 _module: ModuleType | None = None
 
 
@@ -84,7 +84,10 @@ def _cpu_flags() -> str:
 def cache_key() -> str:
     """Hash of everything the compiled engine depends on."""
     h = hashlib.sha256()
-    for part in (torch.__version__, sys.version, " ".join(_CFLAGS), _cpu_flags(), str(nccl_paths())):
+    identity = (torch.__version__, str(torch.version.git_version), str(torch.version.cuda),
+                str(torch._C._GLIBCXX_USE_CXX11_ABI), sys.version, " ".join(_CFLAGS), _cpu_flags(),
+                str(nccl_paths()), str(cuda_home()))
+    for part in identity:
         h.update(part.encode())
     for path in sources() + sorted(_CSRC.glob("*.h")) + sorted(_CSRC.glob("cuda/*.h")):
         h.update(path.name.encode())
@@ -116,14 +119,17 @@ def load(verbose: bool = False) -> ModuleType:
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
     built = directory / f"{_NAME}.so"
-    if not built.exists():
+    done = directory / "built.ok"  # written after a complete build: never load a half-linked .so
+    if not done.exists():
         with open(directory / "build.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            if not built.exists():
+            if not done.exists():
                 # We hold the build lock: a "lock" file of cpp_extension's own is left over
                 # from a build that was killed, and would make this one wait forever.
                 (directory / "lock").unlink(missing_ok=True)
+                built.unlink(missing_ok=True)
                 _compile(directory, verbose)
+                done.write_text(cache_key())
     _module = _import_built(built)
     return _module
 

@@ -141,6 +141,12 @@ def init(timeout: float | None = None) -> None:
         if rank == 0:
             store.set(prefix + "secret", secrets.token_hex(16))
         secret = _get(store, prefix + "secret", rank, "rank 0's job secret", timeout).decode()
+        if rank == 0:
+            store.set(prefix + "transport", transport)
+        theirs = _get(store, prefix + "transport", rank, "rank 0's transport", timeout).decode()
+        if theirs != transport:
+            raise ValueError(f"rank {rank}: TORCHRING_TRANSPORT is {transport!r} here but {theirs!r} on "
+                             "rank 0; every rank must use the same transport setting")
         store.set(prefix + f"host/{rank}", host)
         hosts = [host if r == rank else _get(store, prefix + f"host/{r}", rank,
                                              f"rank {r} to join", timeout).decode()

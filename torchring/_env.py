@@ -72,7 +72,9 @@ def detect(env: dict | None = None) -> Launch:
         source, rank, world = "pmi", _int(env, "PMI_RANK"), _int(env, "PMI_SIZE")
         local_rank, local_world = _int(env, "MPI_LOCALRANKID"), _int(env, "MPI_LOCALNRANKS")
     elif _int(env, "SLURM_NTASKS") is not None and _int(env, "SLURM_PROCID") is not None:
-        source, rank, world = "slurm", _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
+        # The step's task count: a batch script run without srun is one task, not --ntasks.
+        tasks = _int(env, "SLURM_STEP_NUM_TASKS") or _int(env, "SLURM_NTASKS")
+        source, rank, world = "slurm", _int(env, "SLURM_PROCID"), tasks
         local_rank, local_world = _int(env, "SLURM_LOCALID"), None
         env.setdefault("MASTER_ADDR", _first_slurm_host(env.get("SLURM_JOB_NODELIST", "")))
         if port is None:

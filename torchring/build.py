@@ -41,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  transports : {', '.join(info['transports'])}")
     if info["nccl"]:
         print(f"  nccl       : yes ({info['nccl_version']})")
+    elif torch.version.cuda and _build.cuda_home() is None:
+        print("  nccl       : no (CUDA build of torch, but no CUDA toolkit with cuda.h: set CUDA_HOME)")
     elif torch.version.cuda:
         print("  nccl       : no (CUDA build of torch, but no nccl.h found: set NCCL_HOME)")
     else:

@@ -10,7 +10,8 @@ The path is chosen once per init(), the same on every rank:
 - "staged": several ranks share a GPU (NCCL refuses duplicate GPUs), NCCL is not built, or
   TORCHRING_CUDA_PATH=staged: CUDA tensors are copied to pinned host buffers, reduced by the
   CPU engine (shared memory / TCP), and copied back. Slower, but any job runs correctly.
-- "none": no CUDA device; CUDA tensors are refused with an error saying why.
+- "none": no CUDA device, or TORCHRING_CUDA_PATH=off (a CPU-only job on a GPU host then
+  creates no CUDA context); CUDA tensors are refused with an error saying why.
 """
 
 from __future__ import annotations
@@ -59,15 +60,15 @@ def setup(engine: Any, store: Any, prefix: str, rank: int, world: int, local_ran
     """Chooses the job's GPU path (every rank reaches the same choice) and joins NCCL if used."""
     global _path, _reason, _comm, _device
     teardown()
-    if not torch.cuda.is_available():
-        _path, _reason = "none", "no CUDA device"
+    wanted = os.environ.get("TORCHRING_CUDA_PATH", "auto").lower()
+    if wanted not in ("auto", "nccl", "staged", "off"):
+        raise ValueError(f"TORCHRING_CUDA_PATH={wanted!r}: expected auto, nccl, staged or off")
+    if not torch.cuda.is_available() or wanted == "off":
+        _path, _reason = "none", "no CUDA device" if wanted != "off" else "TORCHRING_CUDA_PATH=off"
         return
     index = _choose_device(local_rank)
     torch.cuda.set_device(index)
     _device = torch.device("cuda", index)
-    wanted = os.environ.get("TORCHRING_CUDA_PATH", "auto").lower()
-    if wanted not in ("auto", "nccl", "staged"):
-        raise ValueError(f"TORCHRING_CUDA_PATH={wanted!r}: expected auto, nccl or staged")
     gpus = [f"{host}|{torch.cuda.get_device_properties(index).uuid}"]
     if world > 1:
         store.set(prefix + f"gpu/{rank}", gpus[0])
@@ -84,7 +85,7 @@ def setup(engine: Any, store: Any, prefix: str, rank: int, world: int, local_ran
     if wanted == "nccl" and _path != "nccl":
         raise RuntimeError(f"rank {rank}: TORCHRING_CUDA_PATH=nccl, but {_reason}")
     if _path == "nccl":
-        if rank == 0:
+        if world > 1 and rank == 0:
             store.set(prefix + "nccl_id", engine.nccl_unique_id())
         unique_id = store.get(prefix + "nccl_id") if world > 1 else engine.nccl_unique_id()
         _comm = engine.NcclComm(rank, world, index, unique_id, timeout)
@@ -118,6 +119,9 @@ def check(t: torch.Tensor, where: str) -> None:
     if _path == "none":
         raise ValueError(f"{where}: tensor on {t.device}, but this job has no CUDA path "
                          f"({_reason}); move it to the CPU or run with a CUDA device")
+    if _path == "nccl" and t.device != _device:
+        raise ValueError(f"{where}: tensor on {t.device}, but this rank's NCCL communicator is on "
+                         f"{_device}; move the tensor there (or set TORCHRING_DEVICE)")
 
 
 def _staged(t: torch.Tensor, run: Callable[[torch.Tensor], Any],
@@ -126,7 +130,8 @@ def _staged(t: torch.Tensor, run: Callable[[torch.Tensor], Any],
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t)  # synchronous: the host copy is complete before the CPU engine reads it
     handle = run(host)
-    return Handle(handle._work, lambda out: back(out))
+    inner = handle._finish  # e.g. reduce_scatter keeps only this rank's rows
+    return Handle(handle._work, lambda out: back(inner(out) if inner else out))
 
 
 def allreduce(t: torch.Tensor, op: int) -> Any:

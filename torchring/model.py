@@ -72,6 +72,10 @@ class DistributedModel(nn.Module):
             if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
                 raise ValueError(f"{where}: '{name}' has sparse=True; sparse gradients are not "
                                  "supported, construct it with sparse=False")
+        for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+            if t.dtype not in collectives._DTYPES:
+                raise TypeError(f"{where}: '{name}' has dtype {t.dtype}, which torchring cannot "
+                                "communicate; use float32/64, float16, bfloat16 or an 8-64 bit integer")
         for name, p in module.named_parameters():
             if isinstance(p, nn.parameter.UninitializedParameter):
                 raise ValueError(f"{where}: parameter '{name}' is uninitialized (lazy module); "
@@ -84,8 +88,10 @@ class DistributedModel(nn.Module):
 
     def _verify_and_broadcast(self) -> None:
         """Every rank checks every rank's parameter list, then takes rank 0's values."""
-        mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in self.module.named_parameters()]
-        mine += [("buffer " + n, tuple(b.shape), str(b.dtype)) for n, b in self.module.named_buffers()]
+        mine = [(n, tuple(p.shape), str(p.dtype), p.requires_grad, tuple(p.stride()))
+                for n, p in self.module.named_parameters()]
+        mine += [("buffer " + n, tuple(b.shape), str(b.dtype), False, tuple(b.stride()))
+                 for n, b in self.module.named_buffers()]
         everyone = collectives.allgather_object(mine)
         reference = everyone[0]
         for rank, theirs in enumerate(everyone):
@@ -95,7 +101,9 @@ class DistributedModel(nn.Module):
                 a = reference[i] if i < len(reference) else None
                 b = theirs[i] if i < len(theirs) else None
                 if a != b:
-                    show = lambda d: "nothing" if d is None else f"'{d[0]}' {d[2].replace('torch.', '')}{list(d[1])}"
+                    show = lambda d: ("nothing" if d is None else f"'{d[0]}' {d[2].replace('torch.', '')}"
+                                      f"{list(d[1])} strides {list(d[4])}"
+                                      f"{'' if d[3] or d[0].startswith('buffer') else ' frozen'}")
                     raise TorchringError(
                         f"rank {self._rank}: torchring.wrap: the model differs between ranks: entry #{i} "
                         f"is {show(a)} on rank 0 but {show(b)} on rank {rank} (rank 0 has "
@@ -135,7 +143,7 @@ class DistributedModel(nn.Module):
         """Runs the model; arms gradient synchronization when grad is enabled."""
         if torch.is_grad_enabled():
             sync = bool(self.require_backward_grad_sync)
-            if sync and any(p.requires_grad and id(p) not in self._trainable for p in self._all_params):
+            if sync and any(p.requires_grad and id(p) not in self._trainable for p in self.module.parameters()):
                 self._retrain_new_parameters()
             if sync and self.training and self.broadcast_buffers:
                 with torch.no_grad():
@@ -182,9 +190,14 @@ class DistributedModel(nn.Module):
         bucket, j = self._slot[i]
         if bucket.fired[j]:
             return
+        if p.grad is None:
+            raise RuntimeError(f"rank {self._rank}: torchring.wrap: '{self._names[i]}'.grad is None in "
+                               "its post-accumulate-grad hook: another hook cleared it (optimizer in "
+                               "backward?); gradients must stay until backward returns")
         view = bucket.views[j]
         if p.grad.data_ptr() != view.data_ptr():
-            view.copy_(p.grad)
+            with torch.no_grad():
+                view.copy_(p.grad)
             p.grad = view
         bucket.fired[j] = True
         self._used[i] = 1
@@ -209,8 +222,19 @@ class DistributedModel(nn.Module):
             bucket.handle = collectives.allreduce_async(send, collectives.ReduceOp.AVG)
 
     def _finalize(self) -> None:
+        try:
+            with torch.no_grad():  # bucket copies must never record autograd history
+                self._settle()
+        finally:
+            # Also after a failure, so that a rebuilt communicator starts from a clean state.
+            self._callback_queued = False
+            self._reset_backward_state()
+        if not self._rebuilt:
+            self._rebuild_by_ready_order()
+
+    def _settle(self) -> None:
+        """Launches what is left, waits for every bucket and settles each parameter's .grad."""
         backward_end = time.perf_counter()
-        self._callback_queued = False
         was_none: list[tuple[int, torch.nn.Parameter]] = []
         for bucket in self._buckets[self._next_bucket:]:
             for j, p in enumerate(bucket.params):
@@ -244,9 +268,6 @@ class DistributedModel(nn.Module):
         self._stats = [dict(bucket=b.index, bytes=b.nbytes, params=len(b.params),
                             launch_before_backward_end_ms=(backward_end - b.launched_at) * 1e3,
                             wait_ms=b.waited * 1e3) for b in self._buckets]
-        self._reset_backward_state()
-        if not self._rebuilt:
-            self._rebuild_by_ready_order()
 
     def _reset_backward_state(self) -> None:
         for bucket in self._buckets:
@@ -258,13 +279,13 @@ class DistributedModel(nn.Module):
 
     def _rebuild_by_ready_order(self) -> None:
         """Adopts rank 0's gradient-ready order for the bucket layout, once."""
-        order = collectives.broadcast_object(self._ready_order, src=0)
-        self._rebuilt = True
-        self._ready_order = []
+        mine, self._ready_order, self._rebuilt = self._ready_order, [], True
+        order = collectives.broadcast_object(mine, src=0)
         self._setup_buckets(order)
 
     def _retrain_new_parameters(self) -> None:
-        """Parameters that became trainable after wrap(): every rank re-buckets together."""
+        """Parameters that became trainable, or were added, after wrap(): every rank checks the
+        others train the same ones, then all re-bucket together."""
         names = [n for n, p in self.module.named_parameters() if p.requires_grad]
         everyone = collectives.allgather_object(names)
         for rank, theirs in enumerate(everyone):
@@ -274,18 +295,23 @@ class DistributedModel(nn.Module):
                     f"trains {len(everyone[0])}, rank {rank} trains {len(theirs)} (first difference: "
                     f"{next((a, b) for a, b in zip(everyone[0] + [None], theirs + [None]) if a != b)}); "
                     "set requires_grad the same way on every rank")
+        known = {id(p) for p in self._all_params}
+        added = [p for p in self.module.parameters() if id(p) not in known]
+        if added:  # new parameters (a replaced head): every rank starts from rank 0's values
+            with torch.no_grad():
+                _broadcast_coalesced([p.data for p in added])
         self._rebuilt = False
         self._ready_order = []
         self._setup_buckets(first=None)
 
 
 def _broadcast_coalesced(tensors: list[torch.Tensor], src: int = 0) -> None:
-    """Broadcasts `tensors` from `src` with one collective per dtype."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    """Broadcasts `tensors` from `src` with one collective per (device, dtype)."""
+    by_kind: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for dtype in sorted(by_dtype, key=str):
-        group = by_dtype[dtype]
+        by_kind.setdefault((str(t.device), t.dtype), []).append(t)
+    for kind in sorted(by_kind, key=str):
+        group = by_kind[kind]
         flat = torch.cat([t.reshape(-1) for t in group]) if len(group) > 1 else group[0].reshape(-1).clone()
         collectives.broadcast(flat, src)
         offset = 0

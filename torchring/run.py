@@ -19,6 +19,7 @@ import argparse
 import signal
 import sys
 import uuid
+from typing import Any
 
 __all__ = ["main", "torchrun_args"]
 
@@ -48,14 +49,32 @@ def torchrun_args(args: argparse.Namespace) -> list[str]:
     return out + [args.script, *args.script_args]
 
 
-def _exit_code(error: BaseException) -> int:
-    """The first failing rank's exit status, shell style (128+N for a signal N)."""
+def _first_failure(error: BaseException) -> tuple[int, Any] | None:
+    """(rank, failure) of the rank that failed on its own first. Ranks that torch's agent
+    stopped with SIGTERM after the failure come last; timestamps only have 1 s resolution."""
     failures = getattr(error, "failures", None) or {}
     if not failures:
-        return 1
-    first = min(failures.values(), key=lambda f: getattr(f, "timestamp", 0))
-    code = int(getattr(first, "exitcode", 1) or 1)
+        return None
+    stopped = -signal.SIGTERM
+    return min(failures.items(), key=lambda kv: (getattr(kv[1], "exitcode", 1) == stopped,
+                                                 getattr(kv[1], "timestamp", 0), kv[0]))
+
+
+def _exit_code(error: BaseException) -> int:
+    """The first failing rank's exit status, shell style (128+N for a signal N)."""
+    first = _first_failure(error)
+    code = int(getattr(first[1], "exitcode", 1) or 1) if first else 1
     return 128 - code if code < 0 else code
+
+
+def _describe_failure(error: BaseException) -> str:
+    first = _first_failure(error)
+    if first is None:
+        return "a rank failed"
+    rank, failure = first
+    code = getattr(failure, "exitcode", "?")
+    how = f"killed by signal {-code}" if isinstance(code, int) and code < 0 else f"exit code {code}"
+    return f"rank {rank} failed first ({how})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     from . import _build
     _build.load()  # build once here, not in N ranks at once
     import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     launch = torchrun.get_args_parser().parse_args(torchrun_args(args))
@@ -78,9 +98,13 @@ def main(argv: list[str] | None = None) -> int:
         torchrun.run(launch)
     except ChildFailedError as error:
         code = _exit_code(error)
-        print(f"torchring-run: the job failed (exit code {code}); see the first failing rank's "
-              "output above", file=sys.stderr)
+        print(f"torchring-run: the job failed: {_describe_failure(error)}; its "
+              "output is above" + ("" if not args.rank0_only else " if it was rank 0 (--rank0-only)"),
+              file=sys.stderr)
         return code
+    except SignalException as stop:  # torch's agent turns SIGINT/SIGTERM into this
+        print(f"torchring-run: stopped by signal {stop.sigval}; every rank was stopped", file=sys.stderr)
+        return 128 + int(stop.sigval)
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
     return 0

@@ -53,6 +53,7 @@ std::string OpHeader::describe() const {
     out << " " << opName(static_cast<ReduceOp>(op));
   }
   if (k == OpKind::BROADCAST) out << " root=" << root;
+  if (shapeHash != 0) out << " (shape #" << std::hex << (shapeHash & 0xffff) << std::dec << ")";
   return out.str();
 }
 
@@ -62,11 +63,11 @@ bool OpHeader::matches(const OpHeader& o) const {
     case OpKind::BARRIER:
       return true;
     case OpKind::ALLGATHER:
-      return dtype == o.dtype && rowElems == o.rowElems;
+      return dtype == o.dtype && rowElems == o.rowElems && shapeHash == o.shapeHash;
     case OpKind::BROADCAST:
       return dtype == o.dtype && count == o.count && root == o.root;
     default:
-      return dtype == o.dtype && count == o.count && op == o.op;
+      return dtype == o.dtype && count == o.count && op == o.op && shapeHash == o.shapeHash;
   }
 }
 

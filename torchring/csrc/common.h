@@ -36,6 +36,7 @@ struct OpHeader {
   uint64_t count = 0;        // elements this rank contributes
   uint64_t rowElems = 0;     // allgather: elements per dim-0 row (must match); else 0
   uint64_t rows = 0;         // allgather: dim-0 size of this rank's tensor (may differ)
+  uint64_t shapeHash = 0;    // allgather: trailing dims; reduce_scatter: all dims (must match)
   int64_t arenaOffset = -1;  // byte offset of the tensor in this rank's shm arena, -1 if none
   uint8_t kind = 0;          // OpKind
   uint8_t dtype = 0;         // DType

@@ -35,7 +35,7 @@ at::Tensor Work::wait(double timeoutSec) {
     auto limit = std::chrono::duration<double>(timeoutSec);
     if (!cv_.wait_for(lock, limit, [&] { return done_; })) {
       std::ostringstream msg;
-      msg << kindName(kind_) << " #" << seq_ << ": Handle.wait(timeout=" << timeoutSec
+      msg << "rank " << rank_ << ": " << kindName(kind_) << " #" << seq_ << ": Handle.wait(timeout=" << timeoutSec
           << ") expired; the operation is still running (wait again, or raise the timeout)";
       throw TorchringError(msg.str());
     }
@@ -120,7 +120,11 @@ void Communicator::connectRing(const std::string& rightAddr, int rightPort) {
   if (tcp_) tcp_->connect(rightAddr, rightPort);
 }
 
-void Communicator::start() { worker_ = std::thread([this] { workerLoop(); }); }
+
+void Communicator::start() {
+  if (tcp_ && shm_) tcp_->setOnProgress([this] { shm_->heartbeat(); });
+  worker_ = std::thread([this] { workerLoop(); });
+}
 
 void Communicator::setFailureBoard(FailureBoard board) {
   board_ = std::move(board);
@@ -149,13 +153,23 @@ std::string Communicator::explainPeer(int peer, const std::string& message) {
 
 void Communicator::shutdown() {
   std::deque<Op> dropped;
+  bool inFlight = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (stopping_) return;
     stopping_ = true;
     dropped.swap(queue_);
+    inFlight = busy_;
   }
   cv_.notify_all();
+  if (inFlight) {
+    // An operation is running (on the worker or inline on another thread): make it fail
+    // now instead of after the timeout, and wait for it before tearing the transports down.
+    if (shm_) shm_->abort("rank " + std::to_string(opt_.rank) + " called torchring.shutdown() during a collective");
+    if (tcp_) tcp_->interrupt();
+    std::unique_lock<std::mutex> lock(mutex_);
+    cv_.wait(lock, [&] { return !busy_; });
+  }
   for (auto& op : dropped) {
     op.work->finish({}, "rank " + std::to_string(opt_.rank) + ": " +
                             kindName(static_cast<OpKind>(op.header.kind)) + " #" +
@@ -176,6 +190,13 @@ std::shared_ptr<Work> Communicator::submit(OpKind kind, at::Tensor tensor, Reduc
   if (tensor.defined()) {
     item.header.dtype = static_cast<uint8_t>(toDType(tensor.scalar_type()));
     item.header.count = static_cast<uint64_t>(tensor.numel());
+    if (kind == OpKind::ALLGATHER || kind == OpKind::REDUCE_SCATTER) {
+      uint64_t hash = 1469598103934665603ull;  // FNV-1a over the dims that must agree
+      for (int d = kind == OpKind::ALLGATHER ? 1 : 0; d < tensor.dim(); ++d) {
+        hash = (hash ^ static_cast<uint64_t>(tensor.size(d))) * 1099511628211ull;
+      }
+      item.header.shapeHash = hash | 1;  // never 0, which means "not compared"
+    }
     if (kind == OpKind::ALLGATHER) {
       item.header.rows = tensor.dim() > 0 ? static_cast<uint64_t>(tensor.size(0)) : 1;
       item.header.rowElems = 1;
@@ -188,7 +209,7 @@ std::shared_ptr<Work> Communicator::submit(OpKind kind, at::Tensor tensor, Reduc
   item.tensor = std::move(tensor);
   std::unique_lock<std::mutex> lock(mutex_);
   item.header.seq = nextSeq_++;
-  item.work = std::make_shared<Work>(kind, item.header.seq);
+  item.work = std::make_shared<Work>(kind, item.header.seq, opt_.rank);
   auto work = item.work;
   if (stopping_) {
     lock.unlock();

@@ -35,7 +35,7 @@ struct CommOptions {
 // Completion handle of one queued collective.
 class Work {
  public:
-  Work(OpKind kind, uint64_t seq) : kind_(kind), seq_(seq) {}
+  Work(OpKind kind, uint64_t seq, int rank) : kind_(kind), seq_(seq), rank_(rank) {}
   bool isCompleted();
   // Blocks until done (timeoutSec <= 0: no limit) and rethrows the operation's failure.
   at::Tensor wait(double timeoutSec);
@@ -45,6 +45,7 @@ class Work {
  private:
   OpKind kind_;
   uint64_t seq_;
+  int rank_;
   std::mutex mutex_;
   std::condition_variable cv_;
   bool done_ = false;

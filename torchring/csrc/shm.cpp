@@ -76,6 +76,8 @@ struct ShmGroup::Control {
   alignas(64) std::atomic<uint32_t> stamp;      // phases this rank completed
   alignas(64) std::atomic<uint32_t> sleepers;   // peers sleeping on `stamp`
   alignas(64) std::atomic<uint64_t> progress;   // (seq << 1) | done, for timeout messages
+  std::atomic<uint64_t> heartbeat;              // bumped by progress outside shared memory
+  uint64_t chunkBytes, stagingOffset, arenaOffset, worldSize;  // layout, checked by peers
   std::atomic<uint32_t> abortState;             // group-wide, in local index 0: 0, 1 writing, 2 set
   char abortMessage[4096];
 };
@@ -154,10 +156,12 @@ std::string ShmGroup::create(const std::string& nameTag) {
   size_t total = arenaOffset_ + opt_.arenaBytes;
   auto mapping = std::make_shared<Mapping>();
   mapping->fd = fd;
-  if (ftruncate(fd, static_cast<off_t>(total)) != 0 ||
-      posix_fallocate(fd, 0, static_cast<off_t>(arenaOffset_)) != 0) {
+  int reserveError = ftruncate(fd, static_cast<off_t>(total)) != 0 ? errno : 0;
+  if (reserveError == 0) reserveError = posix_fallocate(fd, 0, static_cast<off_t>(arenaOffset_));
+  if (reserveError != 0) {
     throw TorchringError("rank " + std::to_string(opt_.localRanks[opt_.localIndex]) +
-                         ": cannot reserve " + std::to_string(arenaOffset_ >> 10) +
+                         ": cannot reserve (" + std::strerror(reserveError) + ") " +
+                         std::to_string(arenaOffset_ >> 10) +
                          " KiB in /dev/shm for segment " + ownName_ +
                          "; free space there (docker: --shm-size), lower "
                          "TORCHRING_SHM_CHUNK_KB, or set TORCHRING_TRANSPORT=tcp");
@@ -172,6 +176,10 @@ std::string ShmGroup::create(const std::string& nameTag) {
   mappings_[opt_.localIndex] = mapping;
   arena_ = std::make_shared<Arena>(mapping, arenaOffset_, opt_.arenaBytes);
   Control* own = control(opt_.localIndex);
+  own->chunkBytes = opt_.chunkBytes;
+  own->stagingOffset = stagingOffset_;
+  own->arenaOffset = arenaOffset_;
+  own->worldSize = static_cast<uint64_t>(opt_.worldSize);
   own->pid = getpid();
   own->rank = opt_.localRanks[opt_.localIndex];
   own->magic = kMagic;
@@ -198,8 +206,17 @@ void ShmGroup::attach(const std::vector<std::string>& names) {
     mapping->base = static_cast<char*>(base);
     mapping->bytes = st.st_size;
     mappings_[i] = mapping;
-    if (control(i)->magic != kMagic || control(i)->rank != opt_.localRanks[i]) {
+    Control* peer = control(i);
+    if (peer->magic != kMagic || peer->rank != opt_.localRanks[i]) {
       throw TorchringError(who + ": it does not hold a torchring segment of that rank");
+    }
+    if (peer->chunkBytes != opt_.chunkBytes || peer->arenaOffset != arenaOffset_ ||
+        peer->stagingOffset != stagingOffset_ || peer->worldSize != static_cast<uint64_t>(opt_.worldSize)) {
+      throw TorchringError(
+          who + ": its shared-memory layout differs from this rank's (staging chunk " +
+          std::to_string(peer->chunkBytes >> 10) + " KiB vs " + std::to_string(opt_.chunkBytes >> 10) +
+          " KiB, world " + std::to_string(peer->worldSize) + " vs " + std::to_string(opt_.worldSize) +
+          "); give every rank the same TORCHRING_SHM_CHUNK_KB");
     }
   }
 }
@@ -241,6 +258,10 @@ void ShmGroup::markDone(uint64_t seq) {
   control(opt_.localIndex)->progress.store((seq << 1) | 1, std::memory_order_relaxed);
 }
 
+void ShmGroup::heartbeat() {
+  control(opt_.localIndex)->heartbeat.fetch_add(1, std::memory_order_relaxed);
+}
+
 void ShmGroup::arrive() {
   Control* own = control(opt_.localIndex);
   own->stamp.store(++stamp_, std::memory_order_seq_cst);
@@ -258,6 +279,7 @@ void ShmGroup::waitFor(int index, uint32_t target) {
     if (reached()) return;
   }
   auto start = Clock::now(), lastCheck = start;
+  uint64_t beat = peer->heartbeat.load(std::memory_order_relaxed);
   for (;;) {
     checkAbort();
     peer->sleepers.fetch_add(1, std::memory_order_seq_cst);
@@ -268,6 +290,11 @@ void ShmGroup::waitFor(int index, uint32_t target) {
     if (secondsSince(lastCheck) > kCheckInterval) {
       lastCheck = Clock::now();
       if (!processAlive(peer->pid)) failWaiting(index, "died");
+      uint64_t now = peer->heartbeat.load(std::memory_order_relaxed);
+      if (now != beat) {  // the peer is busy elsewhere (its TCP stage): no progress is due here
+        beat = now;
+        start = Clock::now();
+      }
       if (secondsSince(start) > opt_.timeoutSec) failWaiting(index, "timeout");
     }
   }

@@ -76,6 +76,9 @@ class ShmGroup {
   // Operation bookkeeping, shown in timeout messages of peers.
   void setCurrent(const OpHeader& header);
   void markDone(uint64_t seq);
+  // Progress outside shared memory (the leader's TCP transfers): peers waiting on this rank
+  // see it and keep waiting instead of timing out.
+  void heartbeat();
   // Publishes `header` into this rank's table for its parity and returns after every
   // local peer published theirs; headers[rank] is filled for every local rank.
   void exchangeHeaders(const OpHeader& header, std::vector<OpHeader>& headers);

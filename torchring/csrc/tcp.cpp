@@ -104,8 +104,17 @@ void TcpRing::close() {
   }
 }
 
+void TcpRing::interrupt() {
+  for (int fd : {sendFd_, recvFd_}) {
+    if (fd >= 0) ::shutdown(fd, SHUT_RDWR);
+  }
+}
+
 int TcpRing::listen(const std::string& bindAddr) {
   listenFd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (listenFd_ < 0) {
+    throw TorchringError("rank " + std::to_string(opt_.rank) + ": socket() failed: " + std::strerror(errno));
+  }
   int one = 1;
   setsockopt(listenFd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
   sockaddr_in addr{};
@@ -175,8 +184,22 @@ void TcpRing::connect(const std::string& rightAddr, int rightPort) {
   }
   std::string lastError;
   while (sendFd_ < 0) {
-    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (::connect(fd, res->ai_addr, res->ai_addrlen) == 0) {
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd < 0) fail(std::string("socket() failed (") + std::strerror(errno) + ") connecting to", false);
+    // Non-blocking connect, so an address that drops packets cannot outlast the timeout.
+    int rc = ::connect(fd, res->ai_addr, res->ai_addrlen);
+    if (rc != 0 && errno == EINPROGRESS) {
+      pollfd pfd{fd, POLLOUT, 0};
+      int err = ETIMEDOUT;
+      socklen_t len = sizeof(err);
+      if (poll(&pfd, 1, static_cast<int>(std::max(1.0, std::min(remaining(), 5.0) * 1000))) == 1) {
+        getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+      }
+      rc = err == 0 ? 0 : -1;
+      errno = err;
+    }
+    if (rc == 0) {
+      fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
       sendFd_ = fd;
       break;
     }
@@ -278,6 +301,7 @@ void TcpRing::exchange(const std::vector<Span>& send, const std::vector<Span>& r
     }
     if (progressed) {
       lastProgress = Clock::now();
+      if (onProgress_) onProgress_();
     } else if (secondsSince(lastProgress) > opt_.timeoutSec) {
       std::ostringstream why;
       why << "timed out after " << opt_.timeoutSec << " s with no progress "

@@ -36,6 +36,10 @@ class TcpRing {
   // handshake (garbage, wrong secret, wrong rank) are logged, closed and ignored.
   void connect(const std::string& rightAddr, int rightPort);
   void close();
+  // Unblocks a transfer in progress on another thread (it fails); close() comes after.
+  void interrupt();
+  // Called after every transfer that moved bytes (the leader's heartbeat for its host).
+  void setOnProgress(std::function<void()> onProgress) { onProgress_ = std::move(onProgress); }
 
   // Ring collectives over raw memory, see tcp.cpp for the algorithms.
   // In place, result scaled by `scale`. For 16-bit floats the reduce-scatter runs on
@@ -69,6 +73,7 @@ class TcpRing {
   std::vector<char> scratch_;
   std::vector<float> hostSum_;
   std::function<std::string(int, const std::string&)> explain_;
+  std::function<void()> onProgress_;
 };
 
 }  // namespace torchring

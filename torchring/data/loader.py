@@ -65,8 +65,6 @@ def DataLoader(dataset: Dataset, batch_size: int = 1, shuffle: bool = True, *,
                 f"rank {_rank()}: batch_size={batch_size} with drop_last=True gives this rank 0 batches "
                 f"(it holds {per_rank} samples of {len(dataset)}); lower batch_size or use drop_last=False")
     workers = default_num_workers() if num_workers is None else num_workers
-    if isinstance(dataset, ShardedIterableDataset):
-        dataset.workers_hint = max(1, workers)
     if pin_memory is None:
         pin_memory = torch.cuda.is_available()
     if persistent_workers is None:

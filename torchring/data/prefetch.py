@@ -38,9 +38,8 @@ class DevicePrefetcher:
     def __init__(self, loader: Iterable[Any], device: torch.device | str | None = None) -> None:
         self.loader = loader
         if device is None:
-            from .. import _context
-            local = _context.local_rank() if _context.is_initialized() else 0
-            device = f"cuda:{local % max(1, torch.cuda.device_count())}" if torch.cuda.is_available() else "cpu"
+            from .. import cuda
+            device = cuda.device() or "cpu"  # the rank's device as init() chose it
         self.device = torch.device(device)
 
     def __len__(self) -> int:

@@ -92,10 +92,12 @@ class DistributedSampler(Sampler[int]):
         return order[self.rank:self.total_size:self.num_replicas]
 
     def __iter__(self) -> Iterator[int]:
+        # A generator: the epoch advances when iteration really starts (the first next()), so
+        # an iterator made and dropped unused (DataLoader does that) does not skip an epoch.
         if self._iterated and self.auto_epoch:
             self.epoch += 1
         self._iterated = True
-        return iter(self.indices())
+        yield from self.indices()
 
     def __len__(self) -> int:
         return self.num_samples

@@ -194,7 +194,8 @@ std::shared_ptr<NcclWork> NcclComm::allgather(at::Tensor t, const std::vector<in
   for (auto r : rows) total += r;
   sizes[0] = total;
   at::Tensor out = at::empty(sizes, t.options());
-  const int64_t rowElems = t.size(0) > 0 ? t.numel() / t.size(0) : 0;
+  int64_t rowElems = 1;  // from the trailing dims: right even when this rank has 0 rows
+  for (int64_t d = 1; d < t.dim(); ++d) rowElems *= t.size(d);
   std::string what = "allgather #" + std::to_string(seq_++) + " " + describe(t);
   return launch("ncclBroadcast (grouped allgather)", what, {t, out}, out, [&](cudaStream_t s) {
     ncclGroupStart();
