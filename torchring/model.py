@@ -26,6 +26,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from torch.utils import _pytree
+
 from . import _context, buckets as bucketing, collectives, cuda
 from ._errors import TorchringError
 
@@ -149,7 +151,27 @@ class DistributedModel(nn.Module):
                 with torch.no_grad():
                     _broadcast_coalesced(list(self.module.buffers()))
             self._armed = sync
-        return self.module(*args, **kwargs)
+        out = self.module(*args, **kwargs)
+        if self._armed and torch.is_grad_enabled():
+            out = self._through_sink(out)
+        return out
+
+    def _through_sink(self, out: Any) -> Any:
+        """Routes the outputs through _Sink, whose backward runs first in the outermost
+        backward and queues the end-of-backward sync there (see _Sink)."""
+        leaves, spec = _pytree.tree_flatten(out)
+        slots = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not slots:
+            return out
+        passed = _Sink.apply(self, *[leaves[i] for i in slots])
+        for i, t in zip(slots, passed):
+            leaves[i] = t
+        return _pytree.tree_unflatten(leaves, spec)
+
+    def _queue_finalize(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
 
     @contextlib.contextmanager
     def no_sync(self, enabled: bool = True) -> Iterator[None]:
@@ -201,9 +223,7 @@ class DistributedModel(nn.Module):
             p.grad = view
         bucket.fired[j] = True
         self._used[i] = 1
-        if not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+        self._queue_finalize()  # usually done already by _Sink (outputs that did not pass it)
         if not self._rebuilt:
             self._ready_order.append(self._names[i])
         bucket.pending -= 1
@@ -303,6 +323,23 @@ class DistributedModel(nn.Module):
         self._rebuilt = False
         self._ready_order = []
         self._setup_buckets(first=None)
+
+
+class _Sink(torch.autograd.Function):
+    """Identity on the model's outputs. Its backward runs before any parameter's gradient
+    (it is the last node of forward) and inside the outermost backward, so the sync is queued
+    on that graph task: reentrant checkpointing, whose inner backwards fire parameter hooks
+    first, still gets one sync per backward. Outputs are cloned so callers may modify them."""
+
+    @staticmethod
+    def forward(ctx: Any, model: "DistributedModel", *tensors: torch.Tensor) -> Any:
+        ctx.model = model
+        return tuple(t.clone() for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        ctx.model._queue_finalize()
+        return (None, *grads)
 
 
 def _broadcast_coalesced(tensors: list[torch.Tensor], src: int = 0) -> None:
