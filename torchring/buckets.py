@@ -90,6 +90,14 @@ def _flat(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(numel, dtype=dtype, device=device)
 
 
+def adopt_grad(p: torch.Tensor, view: torch.Tensor) -> None:
+    """Makes `view` p's gradient, copying the gradient in if it lives in another tensor."""
+    if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+        with torch.no_grad():
+            view.copy_(p.grad)
+        p.grad = view
+
+
 def build(params: list[torch.nn.Parameter], names: list[str], order: list[int],
           first_cap: int, cap: int, compression: torch.dtype | None) -> list[Bucket]:
     """Allocates the buckets for `params` and moves existing gradients into them."""
@@ -104,9 +112,7 @@ def build(params: list[torch.nn.Parameter], names: list[str], order: list[int],
         for i in group:
             p = params[i]
             view = grad_view(buffer, offset, p)
-            if p.grad is not None:
-                view.copy_(p.grad)
-                p.grad = view
+            adopt_grad(p, view)
             views.append(view)
             offset += p.numel()
         wire = None

@@ -216,11 +216,7 @@ class DistributedModel(nn.Module):
             raise RuntimeError(f"rank {self._rank}: torchring.wrap: '{self._names[i]}'.grad is None in "
                                "its post-accumulate-grad hook: another hook cleared it (optimizer in "
                                "backward?); gradients must stay until backward returns")
-        view = bucket.views[j]
-        if p.grad.data_ptr() != view.data_ptr():
-            with torch.no_grad():
-                view.copy_(p.grad)
-            p.grad = view
+        bucketing.adopt_grad(p, bucket.views[j])
         bucket.fired[j] = True
         self._used[i] = 1
         self._queue_finalize()  # usually done already by _Sink (outputs that did not pass it)
@@ -268,9 +264,7 @@ class DistributedModel(nn.Module):
                 # Not used in this backward, but it holds a gradient (from no_sync steps, or
                 # set by the user): that counts as used, as in DDP's no_sync session.
                 self._used[bucket.slots[j]] = 1
-                if p.grad.data_ptr() != view.data_ptr():
-                    view.copy_(p.grad)
-                    p.grad = view
+                bucketing.adopt_grad(p, view)
             bucket.pending = 0
         self._launch_ready()
         used = collectives.allreduce_async(self._used, collectives.ReduceOp.MAX)
