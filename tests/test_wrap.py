@@ -844,3 +844,21 @@ def _checkpointed(rank: int) -> list[str]:
 def test_reentrant_checkpointing_syncs_once_per_backward() -> None:
     for failures in spawn(2, _checkpointed):
         assert failures == []
+
+
+def _repeated_order(rank: int) -> list[str]:
+    import torchring
+    torchring.init()
+    try:
+        model = torchring.wrap(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), bucket_cap_mb=0.00002,
+                               first_bucket_mb=0.00001)
+        # An order recorded over a failed, then retried, backward names parameters twice.
+        model._setup_buckets(["1.weight", "1.bias", "1.weight", "0.weight", "1.bias"])
+        placed = [name for bucket in model._buckets for name in bucket.names]
+        return sorted(placed) if len(placed) != len(set(placed)) else []
+    finally:
+        torchring.shutdown()
+
+
+def test_repeated_names_in_a_bucket_order_place_each_parameter_once() -> None:
+    assert spawn(1, _repeated_order) == [[]]

@@ -125,7 +125,9 @@ class DistributedModel(nn.Module):
         self._params = [p for _, p in named]
         self._all_params = list(self.module.parameters())
         position = {n: i for i, n in enumerate(self._names)}
-        order = [position[n] for n in (first or []) if n in position]
+        # dict.fromkeys: a name given twice (an order recorded over a backward that failed
+        # and was retried) must not put one parameter in two buckets.
+        order = list(dict.fromkeys(position[n] for n in (first or []) if n in position))
         placed = set(order)
         order += [i for i in reversed(range(len(self._params))) if i not in placed]
         self._buckets = bucketing.build(self._params, self._names, order, *self._caps,
