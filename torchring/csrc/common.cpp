@@ -57,6 +57,10 @@ std::string OpHeader::describe() const {
   return out.str();
 }
 
+std::string OpHeader::label() const {
+  return std::string(kindName(static_cast<OpKind>(kind))) + " #" + std::to_string(seq);
+}
+
 bool OpHeader::matches(const OpHeader& o) const {
   if (kind != o.kind || seq != o.seq) return false;
   switch (static_cast<OpKind>(kind)) {

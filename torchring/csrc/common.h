@@ -46,6 +46,8 @@ struct OpHeader {
 
   // "float32[1000] SUM", "float32[1000] root=2": the words used in mismatch errors.
   std::string describe() const;
+  // "allreduce #17": how messages name the operation.
+  std::string label() const;
   // True when the two headers describe the same collective (per-rank fields ignored).
   bool matches(const OpHeader& other) const;
 };

@@ -171,9 +171,7 @@ void Communicator::shutdown() {
     cv_.wait(lock, [&] { return !busy_; });
   }
   for (auto& op : dropped) {
-    op.work->finish({}, "rank " + std::to_string(opt_.rank) + ": " +
-                            kindName(static_cast<OpKind>(op.header.kind)) + " #" +
-                            std::to_string(op.header.seq) +
+    op.work->finish({}, "rank " + std::to_string(opt_.rank) + ": " + op.header.label() +
                             " was not run: torchring.shutdown() was called while it was queued");
   }
   if (worker_.joinable()) worker_.join();
@@ -250,9 +248,7 @@ void Communicator::workerLoop() {
 }
 
 std::string Communicator::failedMessage(const OpHeader& header) const {
-  return "rank " + std::to_string(opt_.rank) + ": " +
-         kindName(static_cast<OpKind>(header.kind)) + " #" + std::to_string(header.seq) +
-         " was not run because the communicator failed earlier: " + failure_ +
+  return "rank " + std::to_string(opt_.rank) + ": " + header.label() + " was not run because the communicator failed earlier: " + failure_ +
          " -- call torchring.shutdown() and torchring.init() to start over";
 }
 
@@ -293,8 +289,7 @@ at::Tensor Communicator::run(Op& op) {
   const OpHeader& header = op.header;
   if (shm_) shm_->setCurrent(header);
   if (tcp_) {
-    tcp_->setWhat(std::string(kindName(static_cast<OpKind>(header.kind))) + " #" +
-                  std::to_string(header.seq) + " " + header.describe());
+    tcp_->setWhat(header.label() + " " + header.describe());
   }
   std::vector<OpHeader> headers = exchangeHeaders(header);
   checkHeaders(headers);
@@ -345,7 +340,7 @@ void Communicator::checkHeaders(const std::vector<OpHeader>& headers) const {
     if (other.matches(first)) continue;
     std::ostringstream msg;
     if (first.kind == other.kind) {
-      msg << kindName(static_cast<OpKind>(first.kind)) << " #" << first.seq << ": rank 0 sent "
+      msg << first.label() << ": rank 0 sent "
           << first.describe() << ", rank " << r << " sent " << other.describe();
     } else {
       msg << "collective #" << first.seq << ": rank 0 sent "

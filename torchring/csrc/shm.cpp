@@ -249,8 +249,7 @@ int64_t ShmGroup::arenaOffsetOf(const void* ptr, size_t bytes) const {
 
 void ShmGroup::setCurrent(const OpHeader& header) {
   currentSeq_ = header.seq;
-  currentWhat_ = std::string(kindName(static_cast<OpKind>(header.kind))) + " #" +
-                 std::to_string(header.seq) + " " + header.describe();
+  currentWhat_ = header.label() + " " + header.describe();
   control(opt_.localIndex)->progress.store(header.seq << 1, std::memory_order_relaxed);
 }
 
