@@ -132,61 +132,58 @@ def _submit(kind: _Kind, t: torch.Tensor | None, op: int, root: int, inline: boo
     return _context.communicator(kind.name.lower()).submit(int(kind), t, int(op), root, inline)
 
 
-def allreduce_async(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> Handle:
-    """Starts an in-place allreduce of `tensor`; wait() returns `tensor`."""
-    t = _check_tensor(tensor, "allreduce_async")
-    op = _check_op(t, op, "allreduce_async")
+def _allreduce(tensor: torch.Tensor, op: ReduceOp, what: str, inline: bool) -> Handle:
+    t = _check_tensor(tensor, what)
+    op = _check_op(t, op, what)
     if t.is_cuda:
         return cuda.allreduce(t, op)
-    return Handle(_submit(_Kind.ALLREDUCE, t, op, -1, False))
+    return Handle(_submit(_Kind.ALLREDUCE, t, op, -1, inline))
+
+
+def allreduce_async(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> Handle:
+    """Starts an in-place allreduce of `tensor`; wait() returns `tensor`."""
+    return _allreduce(tensor, op, "allreduce_async", False)
 
 
 def allreduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
     """Reduces `tensor` across ranks in place and returns it."""
-    t = _check_tensor(tensor, "allreduce")
-    op = _check_op(t, op, "allreduce")
+    return _allreduce(tensor, op, "allreduce", True).wait()
+
+
+def _broadcast(tensor: torch.Tensor, src: int, what: str, inline: bool) -> Handle:
+    t = _check_tensor(tensor, what)
+    src = _check_src(src, what)
     if t.is_cuda:
-        return cuda.allreduce(t, op).wait()
-    return Handle(_submit(_Kind.ALLREDUCE, t, op, -1, True)).wait()
+        return cuda.broadcast(t, src)
+    return Handle(_submit(_Kind.BROADCAST, t, 0, src, inline))
 
 
 def broadcast_async(tensor: torch.Tensor, src: int = 0) -> Handle:
     """Starts copying rank `src`'s `tensor` into every rank's `tensor`."""
-    t = _check_tensor(tensor, "broadcast_async")
-    src = _check_src(src, "broadcast_async")
-    if t.is_cuda:
-        return cuda.broadcast(t, src)
-    return Handle(_submit(_Kind.BROADCAST, t, 0, src, False))
+    return _broadcast(tensor, src, "broadcast_async", False)
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
     """Copies rank `src`'s `tensor` into every rank's `tensor` and returns it."""
-    t = _check_tensor(tensor, "broadcast")
-    src = _check_src(src, "broadcast")
-    if t.is_cuda:
-        return cuda.broadcast(t, src).wait()
-    return Handle(_submit(_Kind.BROADCAST, t, 0, src, True)).wait()
+    return _broadcast(tensor, src, "broadcast", True).wait()
 
 
-def _gather_input(tensor: torch.Tensor, what: str) -> torch.Tensor:
+def _allgather(tensor: torch.Tensor, what: str, inline: bool) -> Handle:
     t = _check_tensor(tensor, what)
-    return t.reshape(1) if t.dim() == 0 else t
+    t = t.reshape(1) if t.dim() == 0 else t  # a scalar is one row
+    if t.is_cuda:
+        return cuda.allgather(t)
+    return Handle(_submit(_Kind.ALLGATHER, t, 0, -1, inline))
 
 
 def allgather_async(tensor: torch.Tensor) -> Handle:
     """Starts an allgather; wait() returns every rank's tensor concatenated along dim 0."""
-    t = _gather_input(tensor, "allgather_async")
-    if t.is_cuda:
-        return cuda.allgather(t)
-    return Handle(_submit(_Kind.ALLGATHER, t, 0, -1, False))
+    return _allgather(tensor, "allgather_async", False)
 
 
 def allgather(tensor: torch.Tensor) -> torch.Tensor:
     """Concatenates every rank's `tensor` along dim 0 (its size may differ per rank)."""
-    t = _gather_input(tensor, "allgather")
-    if t.is_cuda:
-        return cuda.allgather(t).wait()
-    return Handle(_submit(_Kind.ALLGATHER, t, 0, -1, True)).wait()
+    return _allgather(tensor, "allgather", True).wait()
 
 
 def _reduce_scatter(tensor: torch.Tensor, op: ReduceOp, what: str, inline: bool) -> Handle:
