@@ -111,13 +111,6 @@ def _host_groups(hosts: list[str]) -> list[list[int]]:
     return list(groups.values())
 
 
-def _cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
 def init(timeout: float | None = None) -> None:
     """Joins the job described by the launcher's environment (idempotent)."""
     global _state, _generation
@@ -160,7 +153,7 @@ def init(timeout: float | None = None) -> None:
     chunk_kb = int(_env_float("TORCHRING_SHM_CHUNK_KB", 1024))
     arena_mb = int(_env_float("TORCHRING_SHM_ARENA_MB", 2048))
     my_group = next(g for g in groups if rank in g)
-    spin = int(_env_float("TORCHRING_SPIN", 20000 if len(my_group) <= _cpu_count() else 200))
+    spin = int(_env_float("TORCHRING_SPIN", 20000 if len(my_group) <= _env.available_cpus() else 200))
     comm = engine.Communicator(rank=rank, size=world, hosts=groups, timeout=timeout,
                                chunk_bytes=chunk_kb << 10, arena_bytes=arena_mb << 20,
                                spin_iters=spin, secret=secret)

@@ -29,6 +29,14 @@ class Launch:
     source: str  # "torchrun", "openmpi", "pmi", "slurm" or "single"
 
 
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, which a launcher or cgroup may narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
 def _int(env: dict, name: str) -> int | None:
     value = env.get(name)
     if value is None or value == "":

@@ -10,30 +10,22 @@ seeds (torch, random, numpy) differ between ranks and workers yet repeat run to 
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
-from .. import _context
+from .. import _context, _env
 from .iterable import ShardedIterableDataset
 from .sampler import DistributedSampler
 
 _UNSET: Any = object()
 
 
-def _cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
 def default_num_workers() -> int:
     """Worker processes per rank: this host's CPUs shared by its ranks, between 1 and 8."""
     local = _context.local_size() if _context.is_initialized() else 1
-    return max(1, min(8, _cpus() // max(1, local)))
+    return max(1, min(8, _env.available_cpus() // max(1, local)))
 
 
 def _rank() -> int:
