@@ -9,9 +9,11 @@ Configurations, each the same model and per-rank batch, SGD, torch.set_num_threa
               without gradient averaging: the floor for any data-parallel library)
   ddp         torch.nn.parallel.DistributedDataParallel over gloo, default buckets
   torchring   torchring.wrap(model), default buckets
-Rounds alternate the configurations so drift hits all of them; each round times --steps steps
-after --warmup steps, a step's time is the max over ranks, and the table shows the median of
-the per-round medians. "hidden" is the share of a bare allreduce of the whole gradient that the
+Each round times every configuration for --steps steps after --warmup steps (in reverse order
+on odd rounds, so drift hits all of them alike); a step's time is the max over ranks. The table
+shows the median of the per-round medians, and the ratios are medians of per-round ratios:
+on a shared machine whose speed drifts, configurations timed back to back in one round compare
+more fairly than medians taken apart. "hidden" is the share of a bare allreduce of the whole gradient that the
 wrapped step did not add on top of the compute step: 1 - (torchring - compute) / allreduce.
 """
 
@@ -93,18 +95,24 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: A
     wrapped = torchring.wrap(mlp(args.width).to(device))
     flat = torch.ones(sum(p.numel() for p in model.parameters()), device=device)
     bare = []
-    for _ in range(args.rounds):
-        if rank == 0:
-            results["single"].append(statistics.median(
-                timed_steps(model, args.batch, args.width, args.steps, args.warmup, lambda: None)))
+
+    def single() -> float:
+        mine = (statistics.median(timed_steps(model, args.batch, args.width, args.steps, args.warmup,
+                                              lambda: None)) if rank == 0 else 0.0)
         torchring.barrier()
-        results["single"] = torchring.broadcast_object(results["single"], 0)
-        results["compute"].append(step_max(timed_steps(model, args.batch, args.width, args.steps,
-                                                       args.warmup, torchring.barrier)))
-        results["ddp"].append(step_max(timed_steps(ddp, args.batch, args.width, args.steps,
-                                                   args.warmup, torchring.barrier)))
-        results["torchring"].append(step_max(timed_steps(wrapped, args.batch, args.width, args.steps,
-                                                         args.warmup, torchring.barrier)))
+        return torchring.broadcast_object(mine, 0)
+
+    def together(m: nn.Module) -> Callable[[], float]:
+        return lambda: step_max(timed_steps(m, args.batch, args.width, args.steps, args.warmup,
+                                            torchring.barrier))
+
+    configs = [("single", single), ("compute", together(model)), ("ddp", together(ddp)),
+               ("torchring", together(wrapped))]
+    for round_ in range(args.rounds):
+        # Odd rounds run the configurations in reverse, so slow drift of a shared machine
+        # does not favour whichever runs first.
+        for name, run in configs if round_ % 2 == 0 else configs[::-1]:
+            results[name].append(run())
         torchring.barrier()
         start = time.perf_counter()
         torchring.allreduce(flat, torchring.ReduceOp.AVG)
@@ -124,9 +132,9 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=64, help="per-rank batch")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="cuda: the peer is DDP over NCCL (gloo when ranks share a GPU)")
     parser.add_argument("--json", help="write the results here")
@@ -149,20 +157,24 @@ def main() -> None:
         p.join()
     del store
     med = {k: statistics.median(v) for k, v in report["results"].items()}
+
+    def ratio(a: str, b: str) -> float:
+        return statistics.median(x / y for x, y in zip(report["results"][a], report["results"][b]))
     bare = statistics.median(report["bare_allreduce"])
-    hidden = 1 - (med["torchring"] - med["compute"]) / bare
+    hidden = 1 - (ratio("torchring", "compute") - 1) * med["compute"] / bare
     cores = len(os.sched_getaffinity(0))
     print(f"# train step: MLP width {args.width} ({report['params'] / 1e6:.2f}M params), batch "
           f"{args.batch}/rank, world {args.world}{' (oversubscribed)' if args.world > cores else ''}, "
           f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {cores} cores, "
           f"{datetime.date.today()}")
-    print("| config | step (ms) | rounds (ms) | vs compute |")
+    print("| config | step (ms) | rounds (ms) | vs compute (per-round ratio) |")
     print("|---|---|---|---|")
     for k, v in report["results"].items():
         rounds = ", ".join(f"{x * 1e3:.1f}" for x in v)
-        print(f"| {k} | {med[k] * 1e3:.1f} | {rounds} | {med[k] / med['compute']:.2f}x |")
-    print(f"\ntorchring / ddp = {med['torchring'] / med['ddp']:.2f}, torchring / compute = "
-          f"{med['torchring'] / med['compute']:.2f}, bare allreduce of the gradient = {bare * 1e3:.1f} ms, "
+        print(f"| {k} | {med[k] * 1e3:.1f} | {rounds} | {ratio(k, 'compute'):.3f}x |")
+    print(f"\ntorchring / ddp = {ratio('torchring', 'ddp'):.3f}, torchring / compute = "
+          f"{ratio('torchring', 'compute'):.3f}, ddp / compute = {ratio('ddp', 'compute'):.3f} "
+          f"(medians of per-round ratios), bare allreduce of the gradient = {bare * 1e3:.1f} ms, "
           f"hidden = {hidden:.0%}")
     print("buckets of the last step:", [(b["bucket"], round(b["bytes"] / 2**20, 1),
                                          round(b["launch_before_backward_end_ms"], 1),
@@ -170,7 +182,10 @@ def main() -> None:
           "(index, MiB, launched ms before backward end, wait ms)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "median_s": med, "bare_allreduce_s": bare, **report}, f, indent=1)
+            json.dump({"args": vars(args), "median_s": med, "bare_allreduce_s": bare,
+                       "ratios": {"torchring/ddp": ratio("torchring", "ddp"),
+                                  "torchring/compute": ratio("torchring", "compute"),
+                                  "ddp/compute": ratio("ddp", "compute")}, **report}, f, indent=1)
 
 
 if __name__ == "__main__":
