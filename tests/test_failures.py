@@ -106,6 +106,62 @@ def test_mismatch(case: str, world: int, transport: str) -> None:
         assert r["reinit_ok"], f"rank {rank}: wrong allreduce result after shutdown() + init()"
 
 
+def _gpu_check_job(rank: int, odd: int) -> dict[str, Any]:
+    """The engine's side of NCCL's header checks (submit_check), on CPU "like" tensors: agreeing
+    checks pass in order with CPU collectives; a count mismatch, and a check against a CPU
+    collective, fail on every rank."""
+    import torchring
+    from torchring import _context
+    from torchring.collectives import ReduceOp, _Kind
+
+    def check(kind: _Kind, t: torch.Tensor, op: ReduceOp = ReduceOp.SUM, root: int = -1) -> Any:
+        return _context.communicator("test").submit_check(int(kind), t, int(op), root)
+
+    def error_of(work: Any) -> str | None:
+        try:
+            work.wait(20.0)
+        except torchring.TorchringError as e:
+            return str(e)
+        return None
+
+    out: dict[str, Any] = {}
+    torchring.init()
+    world = torchring.size()
+    first = check(_Kind.ALLREDUCE, torch.zeros(10))
+    t = rank_input(rank, world, 100, torch.float32)
+    torchring.allreduce(t)
+    second = check(_Kind.BROADCAST, torch.zeros(5), root=world - 1)
+    out["agree"] = [error_of(first), error_of(second)]
+    out["cpu_result_ok"] = torch.equal(t, expected_allreduce(world, 100, torch.float32, "SUM"))
+    out["count"] = error_of(check(_Kind.ALLREDUCE, torch.zeros(11 if rank == odd else 10)))
+    torchring.shutdown()
+    torchring.init()
+    if rank == odd:
+        try:
+            torchring.allreduce(torch.zeros(10))
+            out["cpu_vs_gpu"] = None
+        except torchring.TorchringError as e:
+            out["cpu_vs_gpu"] = str(e)
+    else:
+        out["cpu_vs_gpu"] = error_of(check(_Kind.ALLREDUCE, torch.zeros(10)))
+    torchring.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gpu_header_checks(world: int) -> None:
+    odd = world - 1
+    for rank, r in enumerate(spawn(world, _gpu_check_job, odd, env={"TORCHRING_TIMEOUT": "20"})):
+        assert r["agree"] == [None, None], f"rank {rank}: agreeing checks failed: {r['agree']}"
+        assert r["cpu_result_ok"], f"rank {rank}: CPU allreduce between checks gave a wrong result"
+        err = r["count"]
+        assert err is not None, f"rank {rank}: no error for a count mismatch"
+        for word in ("float32[10]", "float32[11]", "on CUDA", f"rank {odd}"):
+            assert word in err, f"rank {rank}: {word!r} missing from {err!r}"
+        err = r["cpu_vs_gpu"]
+        assert err is not None and "on CUDA" in err, f"rank {rank}: CPU vs CUDA collective: {err!r}"
+
+
 def _kill_job(rank: int, victim: int, sig: int, use_async: bool,
               init_timeout: float | None) -> dict[str, Any]:
     """The victim sends itself ``sig`` after two good allreduces; the others time their failure.

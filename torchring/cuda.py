@@ -6,7 +6,10 @@ The path is chosen once per init(), the same on every rank:
   before init() if not 0, else local_rank), bootstrapped with rank 0's unique id through
   the store. Collectives run on a torchring stream that first waits on the caller's current
   stream; Handle.wait() makes the current stream wait on the completion event without
-  blocking the host, Handle.synchronize() blocks the host.
+  blocking the host, Handle.synchronize() blocks the host. Each collective's header is also
+  compared across ranks by the CPU engine, off the caller's thread; a watchdog thread aborts
+  NCCL (and later calls raise) when ranks disagree, a peer dies, NCCL reports an error, or a
+  collective every rank issued does not complete within TORCHRING_TIMEOUT.
 - "staged": several ranks share a GPU (NCCL refuses duplicate GPUs), NCCL is not built, or
   TORCHRING_CUDA_PATH=staged: CUDA tensors are copied to pinned host buffers, reduced by the
   CPU engine (shared memory / TCP), and copied back. Slower, but any job runs correctly.
@@ -134,11 +137,20 @@ def _staged(t: torch.Tensor, run: Callable[[torch.Tensor], Any],
     return Handle(handle._work, lambda out: back(inner(out) if inner else out))
 
 
+def _check(kind: Any, t: torch.Tensor, op: int = 0, root: int = -1) -> Any:
+    """Queues the engine's comparison of this NCCL collective's header across ranks (kind,
+    dtype, count, op, root, shape). It runs on the engine's thread, in order with every other
+    collective, and never blocks the caller; NCCL's watchdog aborts on a mismatch."""
+    from . import _context
+    return _context.communicator(kind.name.lower()).submit_check(int(kind), t, int(op), root)
+
+
 def allreduce(t: torch.Tensor, op: int) -> Any:
     """Starts an allreduce of a CUDA tensor; returns a Handle."""
     from . import collectives
     if _path == "nccl":
-        return collectives.Handle(_NcclHandleWork(_comm.allreduce(t, int(op))))
+        check = _check(collectives._Kind.ALLREDUCE, t, op)
+        return collectives.Handle(_NcclHandleWork(_comm.allreduce(t, int(op), check)))
     return _staged(t, lambda h: collectives.allreduce_async(h, op), lambda out: t.copy_(out))
 
 
@@ -146,7 +158,8 @@ def broadcast(t: torch.Tensor, src: int) -> Any:
     """Starts a broadcast of a CUDA tensor; returns a Handle."""
     from . import collectives
     if _path == "nccl":
-        return collectives.Handle(_NcclHandleWork(_comm.broadcast(t, src)))
+        check = _check(collectives._Kind.BROADCAST, t, root=src)
+        return collectives.Handle(_NcclHandleWork(_comm.broadcast(t, src, check)))
     return _staged(t, lambda h: collectives.broadcast_async(h, src), lambda out: t.copy_(out))
 
 
@@ -155,7 +168,8 @@ def allgather(t: torch.Tensor) -> Any:
     from . import collectives
     if _path == "nccl":
         rows = collectives.allgather(torch.tensor([t.shape[0]], dtype=torch.int64)).tolist()
-        return collectives.Handle(_NcclHandleWork(_comm.allgather(t, rows)))
+        check = _check(collectives._Kind.ALLGATHER, t)
+        return collectives.Handle(_NcclHandleWork(_comm.allgather(t, rows, check)))
     return _staged(t, collectives.allgather_async, lambda out: out.to(t.device))
 
 
@@ -163,5 +177,6 @@ def reduce_scatter(t: torch.Tensor, op: int) -> Any:
     """Starts a reduce_scatter of a CUDA tensor; returns a Handle of this rank's rows."""
     from . import collectives
     if _path == "nccl":
-        return collectives.Handle(_NcclHandleWork(_comm.reduce_scatter(t, int(op))))
+        check = _check(collectives._Kind.REDUCE_SCATTER, t, op)
+        return collectives.Handle(_NcclHandleWork(_comm.reduce_scatter(t, int(op), check)))
     return _staged(t, lambda h: collectives.reduce_scatter_async(h, op), lambda out: out.to(t.device))

@@ -102,3 +102,33 @@ def test_forced_staged_path() -> None:
 def test_wrap_parity_on_cuda(world: int) -> None:
     for failures in spawn(world, _wrap_parity, timeout=600):
         assert failures == []
+
+
+def _watchdog(rank: int) -> dict:
+    """An NCCL allreduce queued behind a GPU kernel that outlasts TORCHRING_TIMEOUT: the
+    watchdog must abort NCCL, and the next wait() must raise instead of hanging."""
+    import time
+
+    import torchring
+    torchring.init()
+    try:
+        dev = torchring.cuda.device()
+        torch.cuda._sleep(int(60e9))  # 60e9 GPU clock cycles: about 30 s at 2 GHz
+        handle = torchring.allreduce_async(torch.ones(16, device=dev))
+        start, error = time.monotonic(), None
+        try:
+            while time.monotonic() - start < 20:
+                time.sleep(0.1)
+                handle.wait()  # raises once the watchdog aborted; stream-waits until then
+        except torchring.TorchringError as e:
+            error = str(e)
+        return {"error": error, "elapsed": time.monotonic() - start}
+    finally:
+        torchring.shutdown()
+
+
+def test_nccl_watchdog_aborts_a_stuck_collective() -> None:
+    (r,) = spawn(1, _watchdog, env={"TORCHRING_TIMEOUT": "2"}, timeout=120)
+    assert r["error"] is not None, "no TorchringError while the collective could not complete"
+    assert "did not complete within 2" in r["error"] and "allreduce" in r["error"], r["error"]
+    assert r["elapsed"] < 10, f"the watchdog took {r['elapsed']:.1f} s"

@@ -84,11 +84,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<int, int, int, std::string, double>(), py::arg("rank"), py::arg("size"),
            py::arg("device"), py::arg("unique_id"), py::arg("timeout"),
            py::call_guard<py::gil_scoped_release>())
-      .def("allreduce", [](NcclComm& c, at::Tensor t, int op) { return c.allreduce(t, static_cast<ReduceOp>(op)); })
-      .def("broadcast", &NcclComm::broadcast)
-      .def("allgather", &NcclComm::allgather)
-      .def("reduce_scatter", [](NcclComm& c, at::Tensor t, int op) { return c.reduceScatter(t, static_cast<ReduceOp>(op)); })
-      .def("abort", &NcclComm::abort);
+      .def("allreduce",
+           [](NcclComm& c, at::Tensor t, int op, std::shared_ptr<Work> check) {
+             return c.allreduce(t, static_cast<ReduceOp>(op), std::move(check));
+           },
+           py::arg("tensor"), py::arg("op"), py::arg("check"))
+      .def("broadcast", &NcclComm::broadcast, py::arg("tensor"), py::arg("root"), py::arg("check"))
+      .def("allgather", &NcclComm::allgather, py::arg("tensor"), py::arg("rows"), py::arg("check"))
+      .def("reduce_scatter",
+           [](NcclComm& c, at::Tensor t, int op, std::shared_ptr<Work> check) {
+             return c.reduceScatter(t, static_cast<ReduceOp>(op), std::move(check));
+           },
+           py::arg("tensor"), py::arg("op"), py::arg("check"))
+      .def("abort", &NcclComm::abort, py::call_guard<py::gil_scoped_release>());
 #endif
 
   py::class_<Work, std::shared_ptr<Work>>(m, "Work")
@@ -134,6 +142,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                             root, runInline);
           },
           py::arg("kind"), py::arg("tensor"), py::arg("op"), py::arg("root"), py::arg("inline"))
+      .def(
+          "submit_check",
+          [](Communicator& c, int kind, at::Tensor like, int op, int root) {
+            py::gil_scoped_release release;
+            return c.submitCheck(static_cast<OpKind>(kind), like, static_cast<ReduceOp>(op), root);
+          },
+          py::arg("kind"), py::arg("like"), py::arg("op"), py::arg("root"))
       .def(
           "empty_shared",
           [](Communicator& c, std::vector<int64_t> sizes, at::ScalarType dtype) -> py::object {

@@ -54,6 +54,7 @@ std::string OpHeader::describe() const {
   }
   if (k == OpKind::BROADCAST) out << " root=" << root;
   if (shapeHash != 0) out << " (shape #" << std::hex << (shapeHash & 0xffff) << std::dec << ")";
+  out << (onGpu ? " on CUDA" : "");
   return out.str();
 }
 
@@ -62,7 +63,7 @@ std::string OpHeader::label() const {
 }
 
 bool OpHeader::matches(const OpHeader& o) const {
-  if (kind != o.kind || seq != o.seq) return false;
+  if (kind != o.kind || seq != o.seq || onGpu != o.onGpu) return false;
   switch (static_cast<OpKind>(kind)) {
     case OpKind::BARRIER:
       return true;

@@ -41,7 +41,7 @@ struct OpHeader {
   uint8_t kind = 0;          // OpKind
   uint8_t dtype = 0;         // DType
   uint8_t op = 0;            // ReduceOp (allreduce, reduce_scatter)
-  uint8_t pad = 0;
+  uint8_t onGpu = 0;          // 1: the NCCL path moves the data; the engine only compares
   int32_t root = -1;         // broadcast source rank
 
   // "float32[1000] SUM", "float32[1000] root=2": the words used in mismatch errors.

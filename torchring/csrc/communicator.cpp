@@ -46,6 +46,11 @@ at::Tensor Work::wait(double timeoutSec) {
   return result_;
 }
 
+std::string Work::error() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return error_;
+}
+
 void Work::finish(at::Tensor result, std::string error) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -179,32 +184,50 @@ void Communicator::shutdown() {
   if (shm_) shm_->unlinkOwn();
 }
 
+OpHeader Communicator::makeHeader(OpKind kind, const at::Tensor& tensor, ReduceOp op, int root) const {
+  OpHeader header;
+  header.kind = static_cast<uint8_t>(kind);
+  header.op = static_cast<uint8_t>(op);
+  header.root = root;
+  if (!tensor.defined()) return header;
+  header.dtype = static_cast<uint8_t>(toDType(tensor.scalar_type()));
+  header.count = static_cast<uint64_t>(tensor.numel());
+  if (kind == OpKind::ALLGATHER || kind == OpKind::REDUCE_SCATTER) {
+    uint64_t hash = 1469598103934665603ull;  // FNV-1a over the dims that must agree
+    for (int d = kind == OpKind::ALLGATHER ? 1 : 0; d < tensor.dim(); ++d) {
+      hash = (hash ^ static_cast<uint64_t>(tensor.size(d))) * 1099511628211ull;
+    }
+    header.shapeHash = hash | 1;  // never 0, which means "not compared"
+  }
+  if (kind == OpKind::ALLGATHER) {
+    header.rows = tensor.dim() > 0 ? static_cast<uint64_t>(tensor.size(0)) : 1;
+    header.rowElems = 1;
+    for (int d = 1; d < tensor.dim(); ++d) header.rowElems *= static_cast<uint64_t>(tensor.size(d));
+  }
+  if (shm_ && kind == OpKind::ALLREDUCE && tensor.device().is_cpu()) {
+    header.arenaOffset = shm_->arenaOffsetOf(tensor.data_ptr(), tensor.nbytes());
+  }
+  return header;
+}
+
 std::shared_ptr<Work> Communicator::submit(OpKind kind, at::Tensor tensor, ReduceOp op, int root,
                                            bool runInline) {
   Op item;
-  item.header.kind = static_cast<uint8_t>(kind);
-  item.header.op = static_cast<uint8_t>(op);
-  item.header.root = root;
-  if (tensor.defined()) {
-    item.header.dtype = static_cast<uint8_t>(toDType(tensor.scalar_type()));
-    item.header.count = static_cast<uint64_t>(tensor.numel());
-    if (kind == OpKind::ALLGATHER || kind == OpKind::REDUCE_SCATTER) {
-      uint64_t hash = 1469598103934665603ull;  // FNV-1a over the dims that must agree
-      for (int d = kind == OpKind::ALLGATHER ? 1 : 0; d < tensor.dim(); ++d) {
-        hash = (hash ^ static_cast<uint64_t>(tensor.size(d))) * 1099511628211ull;
-      }
-      item.header.shapeHash = hash | 1;  // never 0, which means "not compared"
-    }
-    if (kind == OpKind::ALLGATHER) {
-      item.header.rows = tensor.dim() > 0 ? static_cast<uint64_t>(tensor.size(0)) : 1;
-      item.header.rowElems = 1;
-      for (int d = 1; d < tensor.dim(); ++d) item.header.rowElems *= static_cast<uint64_t>(tensor.size(d));
-    }
-    if (shm_ && kind == OpKind::ALLREDUCE) {
-      item.header.arenaOffset = shm_->arenaOffsetOf(tensor.data_ptr(), tensor.nbytes());
-    }
-  }
+  item.header = makeHeader(kind, tensor, op, root);
   item.tensor = std::move(tensor);
+  return enqueue(std::move(item), runInline);
+}
+
+std::shared_ptr<Work> Communicator::submitCheck(OpKind kind, const at::Tensor& like, ReduceOp op,
+                                                int root) {
+  Op item;
+  item.header = makeHeader(kind, like, op, root);
+  item.header.onGpu = 1;  // no tensor is kept: run() compares headers and moves nothing
+  return enqueue(std::move(item), false);
+}
+
+std::shared_ptr<Work> Communicator::enqueue(Op item, bool runInline) {
+  const auto kind = static_cast<OpKind>(item.header.kind);
   std::unique_lock<std::mutex> lock(mutex_);
   item.header.seq = nextSeq_++;
   item.work = std::make_shared<Work>(kind, item.header.seq, opt_.rank);
@@ -293,6 +316,10 @@ at::Tensor Communicator::run(Op& op) {
   }
   std::vector<OpHeader> headers = exchangeHeaders(header);
   checkHeaders(headers);
+  if (header.onGpu) {  // NCCL moves this operation's data
+    if (shm_) shm_->markDone(header.seq);
+    return {};
+  }
   at::Tensor result = op.tensor;
   char* data = op.tensor.defined() ? static_cast<char*>(op.tensor.data_ptr()) : nullptr;
   switch (static_cast<OpKind>(header.kind)) {

@@ -40,6 +40,8 @@ class Work {
   // Blocks until done (timeoutSec <= 0: no limit) and rethrows the operation's failure.
   at::Tensor wait(double timeoutSec);
   void finish(at::Tensor result, std::string error);
+  // The failure of a completed operation; "" while it runs or when it succeeded.
+  std::string error();
   uint64_t seq() const { return seq_; }
 
  private:
@@ -81,6 +83,11 @@ class Communicator {
   // it on the calling thread (no hand-off latency) and the handle is complete on return.
   std::shared_ptr<Work> submit(OpKind kind, at::Tensor tensor, ReduceOp op, int root,
                                bool runInline);
+  // For a collective that NCCL runs on the CUDA tensor `like`: queues an operation that only
+  // exchanges and compares its header (kind, dtype, count, op, root, shape) with the other
+  // ranks, in order with every other operation. Its handle fails, on every rank, when ranks
+  // disagree or a peer died; the NCCL watchdog then aborts NCCL with that message.
+  std::shared_ptr<Work> submitCheck(OpKind kind, const at::Tensor& like, ReduceOp op, int root);
   // A tensor in this rank's shared-memory arena, or an undefined tensor if none is left.
   at::Tensor emptyShared(at::IntArrayRef sizes, at::ScalarType dtype);
 
@@ -97,6 +104,8 @@ class Communicator {
     at::Tensor tensor;
     std::shared_ptr<Work> work;
   };
+  OpHeader makeHeader(OpKind kind, const at::Tensor& tensor, ReduceOp op, int root) const;
+  std::shared_ptr<Work> enqueue(Op item, bool runInline);
   void workerLoop();
   void execute(Op& op);
   at::Tensor run(Op& op);

@@ -3,7 +3,9 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <sstream>
 #include <thread>
@@ -94,21 +96,61 @@ NcclComm::NcclComm(int rank, int size, int device, const std::string& uniqueId, 
   std::memcpy(id.internal, uniqueId.data(), sizeof(id.internal));
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;  // lets setup be timed out and aborted
-  ncclResult_t result = ncclCommInitRankConfig(&comm_, size, id, rank, &config);
-  if (result != ncclSuccess && result != ncclInProgress) check(result, "ncclCommInitRankConfig", "setup");
-  waitEnqueued("ncclCommInitRankConfig", "setup (waiting for every rank to join)");
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ncclResult_t result = ncclCommInitRankConfig(&comm_, size, id, rank, &config);
+    if (result != ncclSuccess && result != ncclInProgress) check(result, "ncclCommInitRankConfig", "setup");
+    waitEnqueued("ncclCommInitRankConfig", "setup (waiting for every rank to join)");
+  }
+  watchdog_ = std::thread([this] { watch(); });
 }
 
+// Stops the watchdog, then lets NCCL finish the communicator's work and frees it. If work is
+// still queued or finishing takes longer than the timeout (a peer is gone), ncclCommDestroy
+// would hang the exiting process: abort instead.
 NcclComm::~NcclComm() {
-  if (comm_ == nullptr) return;
-  if (aborted_) return;
-  ncclCommDestroy(comm_);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (watchdog_.joinable()) watchdog_.join();
+  if (comm_ == nullptr || aborted_) return;
+  bool busy = false;
+  for (auto& p : pending_) {
+    try {
+      busy = busy || !p.done->query();
+    } catch (const std::exception&) {
+      busy = true;
+    }
+  }
+  if (!busy) {
+    ncclResult_t state = ncclCommFinalize(comm_);
+    auto start = Clock::now();
+    while (state == ncclSuccess || state == ncclInProgress) {
+      ncclCommGetAsyncError(comm_, &state);
+      if (state != ncclInProgress) break;
+      if (secondsSince(start) > std::min(timeoutSec_, 10.0)) break;
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    if (state == ncclSuccess) {
+      ncclCommDestroy(comm_);
+      return;
+    }
+  }
+  ncclCommAbort(comm_);
 }
 
 void NcclComm::abort(const std::string& why) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  abortLocked(why);
+}
+
+void NcclComm::abortLocked(const std::string& why) {
   if (aborted_ || comm_ == nullptr) return;
   aborted_ = true;
   failure_ = why;
+  pending_.clear();
   ncclCommAbort(comm_);
 }
 
@@ -120,12 +162,12 @@ void NcclComm::check(ncclResult_t result, const std::string& call, const std::st
   const char* last = comm_ ? ncclGetLastError(comm_) : nullptr;
   if (last != nullptr && *last) msg << " (" << last << ")";
   msg << "; the NCCL communicator is aborted: call torchring.shutdown() and torchring.init()";
-  abort(msg.str());
+  abortLocked(msg.str());
   throw TorchringError(msg.str());
 }
 
 void NcclComm::waitEnqueued(const std::string& call, const std::string& what) {
-  auto start = std::chrono::steady_clock::now();
+  auto start = Clock::now();
   for (;;) {
     ncclResult_t state = ncclSuccess;
     ncclCommGetAsyncError(comm_, &state);
@@ -135,7 +177,7 @@ void NcclComm::waitEnqueued(const std::string& call, const std::string& what) {
       std::ostringstream msg;
       msg << "rank " << rank_ << ": " << call << " for " << what << " timed out after " << timeoutSec_
           << " s (a rank did not take part; TORCHRING_TIMEOUT)";
-      abort(msg.str());
+      abortLocked(msg.str());
       throw TorchringError(msg.str());
     }
     std::this_thread::sleep_for(std::chrono::microseconds(50));
@@ -143,6 +185,7 @@ void NcclComm::waitEnqueued(const std::string& call, const std::string& what) {
 }
 
 void NcclComm::checkAsyncError(const std::string& what) {
+  std::lock_guard<std::mutex> lock(mutex_);
   if (aborted_) {
     throw TorchringError("rank " + std::to_string(rank_) + ": " + what +
                          ": the NCCL communicator failed earlier: " + failure_);
@@ -152,13 +195,72 @@ void NcclComm::checkAsyncError(const std::string& what) {
   if (state != ncclSuccess && state != ncclInProgress) check(state, "NCCL (asynchronous error)", what);
 }
 
+// The watchdog: every 100 ms it drops the collectives that completed (kernel done and
+// headers compared) from the front of `pending_`, and aborts the communicator when a header
+// check failed (ranks disagreed, or the engine saw a peer die), NCCL reported an
+// asynchronous error, or the oldest collective whose headers agreed has not completed within
+// the timeout. Aborting ends the in-flight kernels, so a host blocked on the stream wakes up,
+// and the next wait() or collective raises the message, which is also printed at once.
+void NcclComm::watch() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (!stopping_) {
+    cv_.wait_for(lock, std::chrono::milliseconds(100));
+    if (stopping_ || aborted_ || pending_.empty()) continue;
+    std::string why;
+    try {
+      for (const auto& p : pending_) {
+        std::string error = p.check ? p.check->error() : "";
+        if (!error.empty()) {
+          why = "rank " + std::to_string(rank_) + " (cuda:" + std::to_string(device_) + "): " + p.what +
+                " cannot run on NCCL: " + error;
+          break;
+        }
+      }
+      while (why.empty() && !pending_.empty()) {
+        const Pending& front = pending_.front();
+        const bool agreed = !front.check || front.check->isCompleted();
+        if (agreed && front.done->query()) {
+          pending_.pop_front();
+          continue;
+        }
+        if (agreed && secondsSince(front.launched) > timeoutSec_) {
+          std::ostringstream msg;
+          msg << "rank " << rank_ << " (cuda:" << device_ << "): " << front.what
+              << " did not complete within " << timeoutSec_
+              << " s of its launch although every rank issued it (a GPU or a peer is stuck; "
+                 "raise TORCHRING_TIMEOUT if the GPU work queued before it takes that long)";
+          why = msg.str();
+        }
+        break;
+      }
+      if (why.empty()) {
+        ncclResult_t state = ncclSuccess;
+        ncclCommGetAsyncError(comm_, &state);
+        if (state != ncclSuccess && state != ncclInProgress) {
+          check(state, "NCCL (asynchronous error)", pending_.empty() ? "idle" : pending_.front().what);
+        }
+      }
+    } catch (const std::exception& e) {
+      why = e.what();  // check() aborted already
+    }
+    if (why.empty()) continue;
+    abortLocked(why + "; the NCCL communicator is aborted: call torchring.shutdown() and torchring.init()");
+    std::fprintf(stderr, "torchring watchdog: %s\n", failure_.c_str());
+    std::fflush(stderr);
+  }
+}
+
 template <typename F>
 std::shared_ptr<NcclWork> NcclComm::launch(const std::string& call, const std::string& what,
                                            const std::vector<at::Tensor>& tensors, at::Tensor result,
-                                           F enqueue) {
-  checkAsyncError(what);
+                                           std::shared_ptr<Work> headerCheck, F enqueue) {
   c10::cuda::CUDAGuard guard(device_);
   auto current = c10::cuda::getCurrentCUDAStream(device_);
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (aborted_) {
+    throw TorchringError("rank " + std::to_string(rank_) + ": " + what +
+                         ": the NCCL communicator failed earlier: " + failure_);
+  }
   Event ready;
   ready.record(current.stream());
   ready.block(stream_.stream());  // the NCCL stream starts after the caller's queued work
@@ -169,26 +271,28 @@ std::shared_ptr<NcclWork> NcclComm::launch(const std::string& call, const std::s
   }
   auto done = std::make_shared<Event>();
   done->record(stream_.stream());
-  return std::make_shared<NcclWork>(shared_from_this(), done, std::move(result), what);
+  pending_.push_back({done, headerCheck, what, Clock::now()});
+  return std::make_shared<NcclWork>(shared_from_this(), done, std::move(headerCheck), std::move(result), what);
 }
 
-std::shared_ptr<NcclWork> NcclComm::allreduce(at::Tensor t, ReduceOp op) {
+std::shared_ptr<NcclWork> NcclComm::allreduce(at::Tensor t, ReduceOp op, std::shared_ptr<Work> headerCheck) {
   std::string what = "allreduce #" + std::to_string(seq_++) + " " + describe(t);
-  return launch("ncclAllReduce", what, {t}, t, [&](cudaStream_t s) {
+  return launch("ncclAllReduce", what, {t}, t, std::move(headerCheck), [&](cudaStream_t s) {
     return ncclAllReduce(t.data_ptr(), t.data_ptr(), t.numel(), ncclType(t.scalar_type()), ncclOp(op), comm_, s);
   });
 }
 
-std::shared_ptr<NcclWork> NcclComm::broadcast(at::Tensor t, int root) {
+std::shared_ptr<NcclWork> NcclComm::broadcast(at::Tensor t, int root, std::shared_ptr<Work> headerCheck) {
   std::string what = "broadcast #" + std::to_string(seq_++) + " " + describe(t) + " root=" + std::to_string(root);
-  return launch("ncclBroadcast", what, {t}, t, [&](cudaStream_t s) {
+  return launch("ncclBroadcast", what, {t}, t, std::move(headerCheck), [&](cudaStream_t s) {
     return ncclBroadcast(t.data_ptr(), t.data_ptr(), t.numel(), ncclType(t.scalar_type()), root, comm_, s);
   });
 }
 
 // Allgather with a different dim-0 size per rank: one broadcast per rank, grouped so NCCL
 // runs them as a single operation, each writing its piece straight to its place in `out`.
-std::shared_ptr<NcclWork> NcclComm::allgather(at::Tensor t, const std::vector<int64_t>& rows) {
+std::shared_ptr<NcclWork> NcclComm::allgather(at::Tensor t, const std::vector<int64_t>& rows,
+                                              std::shared_ptr<Work> headerCheck) {
   std::vector<int64_t> sizes = t.sizes().vec();
   int64_t total = 0;
   for (auto r : rows) total += r;
@@ -197,7 +301,8 @@ std::shared_ptr<NcclWork> NcclComm::allgather(at::Tensor t, const std::vector<in
   int64_t rowElems = 1;  // from the trailing dims: right even when this rank has 0 rows
   for (int64_t d = 1; d < t.dim(); ++d) rowElems *= t.size(d);
   std::string what = "allgather #" + std::to_string(seq_++) + " " + describe(t);
-  return launch("ncclBroadcast (grouped allgather)", what, {t, out}, out, [&](cudaStream_t s) {
+  return launch("ncclBroadcast (grouped allgather)", what, {t, out}, out, std::move(headerCheck),
+                [&](cudaStream_t s) {
     ncclGroupStart();
     int64_t offset = 0;
     for (int r = 0; r < size_; ++r) {
@@ -211,20 +316,32 @@ std::shared_ptr<NcclWork> NcclComm::allgather(at::Tensor t, const std::vector<in
   });
 }
 
-std::shared_ptr<NcclWork> NcclComm::reduceScatter(at::Tensor t, ReduceOp op) {
+std::shared_ptr<NcclWork> NcclComm::reduceScatter(at::Tensor t, ReduceOp op, std::shared_ptr<Work> headerCheck) {
   std::vector<int64_t> sizes = t.sizes().vec();
   sizes[0] /= size_;
   at::Tensor out = at::empty(sizes, t.options());
   std::string what = "reduce_scatter #" + std::to_string(seq_++) + " " + describe(t);
-  return launch("ncclReduceScatter", what, {t, out}, out, [&](cudaStream_t s) {
+  return launch("ncclReduceScatter", what, {t, out}, out, std::move(headerCheck), [&](cudaStream_t s) {
     return ncclReduceScatter(t.data_ptr(), out.data_ptr(), out.numel(), ncclType(t.scalar_type()),
                              ncclOp(op), comm_, s);
   });
 }
 
-bool NcclWork::isCompleted() { return done_->query(); }
+bool NcclWork::isCompleted() { return done_->query() && (!check_ || check_->isCompleted()); }
+
+// A failed header check (ranks disagreed, a peer died) aborts the communicator, so that the
+// collective, which may never complete, stops occupying the GPU.
+void NcclWork::failIfCheckFailed() {
+  if (!check_) return;
+  std::string error = check_->error();
+  if (error.empty()) return;
+  std::string why = "rank " + std::to_string(comm_->rank()) + ": " + what_ + " cannot run on NCCL: " + error;
+  comm_->abort(why);
+  throw TorchringError(why);
+}
 
 at::Tensor NcclWork::wait() {
+  failIfCheckFailed();
   comm_->checkAsyncError(what_);
   done_->block(c10::cuda::getCurrentCUDAStream(comm_->device()).stream());
   return result_;
@@ -232,8 +349,9 @@ at::Tensor NcclWork::wait() {
 
 at::Tensor NcclWork::synchronize(double timeoutSec) {
   if (timeoutSec <= 0) timeoutSec = comm_->timeout();
-  auto start = std::chrono::steady_clock::now();
-  while (!done_->query()) {
+  auto start = Clock::now();
+  while (!isCompleted()) {
+    failIfCheckFailed();
     comm_->checkAsyncError(what_);
     if (secondsSince(start) > timeoutSec) {
       std::ostringstream msg;
@@ -244,6 +362,8 @@ at::Tensor NcclWork::synchronize(double timeoutSec) {
     }
     std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
+  failIfCheckFailed();
+  comm_->checkAsyncError(what_);
   return result_;
 }
 

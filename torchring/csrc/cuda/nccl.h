@@ -7,10 +7,15 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <condition_variable>
+#include <deque>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 
 #include "../common.h"
+#include "../communicator.h"
 
 namespace torchring {
 
@@ -32,22 +37,28 @@ class Event {
   cudaEvent_t event_ = nullptr;
 };
 
-// A collective in flight on the NCCL stream.
+// A collective in flight on the NCCL stream, with the engine's header check of it.
 class NcclWork {
  public:
   NcclWork(std::shared_ptr<NcclComm> comm, std::shared_ptr<Event> done,
-           at::Tensor result, std::string what)
-      : comm_(std::move(comm)), done_(std::move(done)), result_(std::move(result)), what_(std::move(what)) {}
+           std::shared_ptr<Work> check, at::Tensor result, std::string what)
+      : comm_(std::move(comm)), done_(std::move(done)), check_(std::move(check)),
+        result_(std::move(result)), what_(std::move(what)) {}
   bool isCompleted();
   // Makes the caller's current stream wait for the collective; the host does not block.
+  // Raises if the communicator failed (an NCCL error, the watchdog's timeout, or ranks that
+  // disagreed on this or an earlier collective).
   at::Tensor wait();
-  // Blocks the host until done; an NCCL error or `timeoutSec` without completion aborts the
-  // communicator and raises TorchringError.
+  // Blocks the host until done, and until the ranks' headers were compared; an NCCL error,
+  // a mismatch or `timeoutSec` without completion aborts the communicator and raises.
   at::Tensor synchronize(double timeoutSec);
 
  private:
+  void failIfCheckFailed();
+
   std::shared_ptr<NcclComm> comm_;
   std::shared_ptr<Event> done_;
+  std::shared_ptr<Work> check_;
   at::Tensor result_;
   std::string what_;
 };
@@ -62,36 +73,57 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   NcclComm(int rank, int size, int device, const std::string& uniqueId, double timeoutSec);
   ~NcclComm();
 
-  std::shared_ptr<NcclWork> allreduce(at::Tensor tensor, ReduceOp op);
-  std::shared_ptr<NcclWork> broadcast(at::Tensor tensor, int root);
+  // Each collective takes `check`, the engine's header check of it (submitCheck), which the
+  // watchdog watches alongside the collective.
+  std::shared_ptr<NcclWork> allreduce(at::Tensor tensor, ReduceOp op, std::shared_ptr<Work> check);
+  std::shared_ptr<NcclWork> broadcast(at::Tensor tensor, int root, std::shared_ptr<Work> check);
   // rows[r] = dim-0 size of rank r's tensor (the caller agreed them on the CPU engine).
-  std::shared_ptr<NcclWork> allgather(at::Tensor tensor, const std::vector<int64_t>& rows);
+  std::shared_ptr<NcclWork> allgather(at::Tensor tensor, const std::vector<int64_t>& rows,
+                                      std::shared_ptr<Work> check);
   // Input rows split evenly over the ranks; returns this rank's reduced block.
-  std::shared_ptr<NcclWork> reduceScatter(at::Tensor tensor, ReduceOp op);
+  std::shared_ptr<NcclWork> reduceScatter(at::Tensor tensor, ReduceOp op, std::shared_ptr<Work> check);
 
-  // Raises TorchringError if NCCL reported an asynchronous error (then the comm is aborted).
+  // Raises TorchringError if the communicator failed or NCCL reported an asynchronous error
+  // (then the communicator is aborted).
   void checkAsyncError(const std::string& what);
+  // Aborts the communicator: in-flight NCCL kernels end, later calls raise with `why`.
   void abort(const std::string& why);
   int rank() const { return rank_; }
   int device() const { return device_; }
   double timeout() const { return timeoutSec_; }
 
  private:
+  // A launched collective the watchdog has not seen complete yet.
+  struct Pending {
+    std::shared_ptr<Event> done;
+    std::shared_ptr<Work> check;
+    std::string what;
+    Clock::time_point launched;
+  };
+  // The three below run with mutex_ held.
   void check(ncclResult_t result, const std::string& call, const std::string& what);
   void waitEnqueued(const std::string& call, const std::string& what);
+  void abortLocked(const std::string& why);
   // Orders `stream_` after the caller's current stream, launches `enqueue`, and returns a
   // handle whose event completes with it. `tensors` stay valid across both streams.
   template <typename F>
   std::shared_ptr<NcclWork> launch(const std::string& call, const std::string& what,
-                                   const std::vector<at::Tensor>& tensors, at::Tensor result, F enqueue);
+                                   const std::vector<at::Tensor>& tensors, at::Tensor result,
+                                   std::shared_ptr<Work> check, F enqueue);
+  void watch();
 
   int rank_, size_, device_;
   double timeoutSec_;
   ncclComm_t comm_ = nullptr;
-  bool aborted_ = false;
-  std::string failure_;
   c10::cuda::CUDAStream stream_;
   uint64_t seq_ = 0;
+
+  std::mutex mutex_;  // NCCL calls on comm_, and everything below
+  std::condition_variable cv_;
+  bool aborted_ = false, stopping_ = false;
+  std::string failure_;
+  std::deque<Pending> pending_;
+  std::thread watchdog_;
 };
 
 }  // namespace torchring
