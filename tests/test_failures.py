@@ -14,14 +14,17 @@ import re
 import signal
 import socket
 import struct
+import subprocess
+import sys
 import time
+import uuid
 from typing import Any, Callable
 
 import pytest
 import torch
 
 from _checks import Checker, expected_allreduce, rank_input
-from _dist import Job, StoreGate, hybrid_env, run_alone, spawn
+from _dist import Job, StoreGate, free_port, hybrid_env, run_alone, spawn
 
 # One collective call: (kind, dtype, numel, op, src, inner dims for allgather).
 Call = tuple[str, torch.dtype, int, str, int, tuple[int, ...]]
@@ -160,6 +163,46 @@ def test_gpu_header_checks(world: int) -> None:
             assert word in err, f"rank {rank}: {word!r} missing from {err!r}"
         err = r["cpu_vs_gpu"]
         assert err is not None and "on CUDA" in err, f"rank {rank}: CPU vs CUDA collective: {err!r}"
+
+
+_PIDNS_RANK = """
+import time, torch, torchring
+torchring.init()
+assert torchring.transport() == "shm", torchring.transport()
+rank = torchring.rank()
+for slow in (1, 0):  # each rank in turn makes the other wait well past the 50 ms liveness check
+    if rank == slow:
+        time.sleep(1.0)
+    t = torch.full((1000,), float(rank + 1))
+    torchring.allreduce(t)
+    assert torch.equal(t, torch.full((1000,), 3.0)), t[:4]
+torchring.shutdown()
+print("ok", flush=True)
+"""
+
+
+def test_peer_in_another_pid_namespace() -> None:
+    """Ranks in separate PID namespaces that share /dev/shm (containers of one pod): each sees the
+    other's pid as meaningless, which must not be taken for a dead peer."""
+    probe = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot create a PID namespace here (unshare: {probe.stderr.decode().strip()})")
+    base = {**os.environ, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()), "TORCHRING_JOB_ID": f"pidns-{uuid.uuid4().hex[:8]}",
+            "TORCHRING_TIMEOUT": "30", "TORCHRING_TRANSPORT": "shm"}
+    base.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    cmds = [[sys.executable, "-c", _PIDNS_RANK],
+            ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", _PIDNS_RANK]]
+    procs = [subprocess.Popen(cmd, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for r, cmd in enumerate(cmds)]
+    try:
+        outs = [p.communicate(timeout=120)[0].decode() for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and out.rstrip().endswith("ok"), f"rank {r} (exit {p.returncode}):\n{out}"
 
 
 def _kill_job(rank: int, victim: int, sig: int, use_async: bool,

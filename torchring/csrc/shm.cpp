@@ -58,6 +58,15 @@ bool processAlive(int pid) {
 
 std::string errnoText() { return std::strerror(errno); }
 
+// Identifies this process's PID namespace (0 when unknown). Peers in another namespace (ranks
+// in separate containers that share /dev/shm) see pids that mean nothing to us, so their
+// liveness is judged by the timeout alone, never by their pid.
+uint64_t pidNamespace() {
+  struct stat st;
+  if (stat("/proc/self/ns/pid", &st) != 0) return 0;
+  return static_cast<uint64_t>(st.st_ino) ^ (static_cast<uint64_t>(st.st_dev) << 32);
+}
+
 // Elements [lo, hi) of `count` that local index `index` of `n` reduces. Slices are whole
 // multiples of 64 bytes so two ranks never write the same cache line.
 std::pair<size_t, size_t> sliceOf(int index, int n, size_t count, size_t esize) {
@@ -73,6 +82,7 @@ struct ShmGroup::Control {
   uint32_t magic;
   int32_t pid;
   int32_t rank;
+  uint64_t pidNamespace;                        // pidNamespace() of the owner
   alignas(64) std::atomic<uint32_t> stamp;      // phases this rank completed
   alignas(64) std::atomic<uint32_t> sleepers;   // peers sleeping on `stamp`
   alignas(64) std::atomic<uint64_t> progress;   // (seq << 1) | done, for timeout messages
@@ -181,6 +191,7 @@ std::string ShmGroup::create(const std::string& nameTag) {
   own->arenaOffset = arenaOffset_;
   own->worldSize = static_cast<uint64_t>(opt_.worldSize);
   own->pid = getpid();
+  own->pidNamespace = pidNamespace();
   own->rank = opt_.localRanks[opt_.localIndex];
   own->magic = kMagic;
   return ownName_;
@@ -288,7 +299,8 @@ void ShmGroup::waitFor(int index, uint32_t target) {
     if (reached()) return;
     if (secondsSince(lastCheck) > kCheckInterval) {
       lastCheck = Clock::now();
-      if (!processAlive(peer->pid)) failWaiting(index, "died");
+      const uint64_t ns = control(opt_.localIndex)->pidNamespace;
+      if (ns != 0 && peer->pidNamespace == ns && !processAlive(peer->pid)) failWaiting(index, "died");
       uint64_t now = peer->heartbeat.load(std::memory_order_relaxed);
       if (now != beat) {  // the peer is busy elsewhere (its TCP stage): no progress is due here
         beat = now;

@@ -56,7 +56,7 @@ struct ShmOptions {
 // arena tensors directly. Progress is tracked by one monotonically increasing `stamp` per
 // rank: a rank bumps its stamp when it finishes a phase (arrive) and waits until every
 // peer's stamp has reached its own (waitAll). Waiting spins, then sleeps on a futex, and
-// checks every ~50 ms for an abort, a dead peer and the timeout.
+// checks every ~50 ms for an abort, a dead peer (same PID namespace only) and the timeout.
 class ShmGroup {
  public:
   explicit ShmGroup(ShmOptions options);
