@@ -193,11 +193,9 @@ def _reduce_scatter(tensor: torch.Tensor, op: ReduceOp, what: str, inline: bool)
     if t.dim() == 0 or t.shape[0] % world != 0:
         raise ValueError(f"rank {me}: torchring.{what}: dim 0 of tensor {_describe(t)} must be "
                          f"divisible by the world size {world}; pad it to a multiple of {world}")
-    rows = t.shape[0] // world
     if t.is_cuda:
         return cuda.reduce_scatter(t, op)
-    work = _submit(_Kind.REDUCE_SCATTER, t.clone(), op, -1, inline)
-    return Handle(work, lambda out: out[me * rows:(me + 1) * rows].clone())
+    return Handle(_submit(_Kind.REDUCE_SCATTER, t, op, -1, inline))
 
 
 def reduce_scatter_async(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> Handle:

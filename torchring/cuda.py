@@ -132,9 +132,7 @@ def _staged(t: torch.Tensor, run: Callable[[torch.Tensor], Any],
     from .collectives import Handle
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t)  # synchronous: the host copy is complete before the CPU engine reads it
-    handle = run(host)
-    inner = handle._finish  # e.g. reduce_scatter keeps only this rank's rows
-    return Handle(handle._work, lambda out: back(inner(out) if inner else out))
+    return Handle(run(host)._work, back)
 
 
 def _check(kind: Any, t: torch.Tensor, op: int = 0, root: int = -1) -> Any:

@@ -323,8 +323,10 @@ at::Tensor Communicator::run(Op& op) {
   at::Tensor result = op.tensor;
   char* data = op.tensor.defined() ? static_cast<char*>(op.tensor.data_ptr()) : nullptr;
   switch (static_cast<OpKind>(header.kind)) {
-    case OpKind::ALLREDUCE:
     case OpKind::REDUCE_SCATTER:
+      result = reduceScatter(op.tensor, header, headers);
+      break;
+    case OpKind::ALLREDUCE:
       allreduce(data, header, headers);
       break;
     case OpKind::BROADCAST:
@@ -405,6 +407,28 @@ void Communicator::allreduce(char* data, const OpHeader& header,
     if (tcp_) tcp_->allreduce(data, count, dtype, op, scale);
   }
   if (shm_) shm_->broadcast(data, count * elementSize(dtype), 0);
+}
+
+// This rank's rows [rank*m, (rank+1)*m) of the reduction, m = dim 0 / size, as a new tensor;
+// `input` is left alone. One host: the shared-memory reduce-scatter, which moves a block per
+// rank instead of the whole tensor. Otherwise an allreduce of a copy, keeping this rank's rows.
+at::Tensor Communicator::reduceScatter(const at::Tensor& input, const OpHeader& header,
+                                       const std::vector<OpHeader>& headers) {
+  const int64_t rows = input.size(0) / opt_.size;
+  std::vector<int64_t> sizes = input.sizes().vec();
+  sizes[0] = rows;
+  if (numHosts() == 1 && shm_) {
+    at::Tensor out = at::empty(sizes, input.options());
+    auto op = static_cast<ReduceOp>(header.op);
+    const double scale = op == ReduceOp::AVG ? 1.0 / opt_.size : 1.0;
+    shm_->reduceScatter(static_cast<const char*>(input.data_ptr()), static_cast<char*>(out.data_ptr()),
+                        header.count, static_cast<DType>(header.dtype),
+                        op == ReduceOp::AVG ? ReduceOp::SUM : op, scale);
+    return out;
+  }
+  at::Tensor full = input.clone();
+  allreduce(static_cast<char*>(full.data_ptr()), header, headers);
+  return full.narrow(0, opt_.rank * rows, rows).clone();
 }
 
 // Broadcast: first within the root's host, then among leaders, then within other hosts.

@@ -114,6 +114,8 @@ class Communicator {
   void allreduce(char* data, const OpHeader& header, const std::vector<OpHeader>& headers);
   void broadcast(char* data, size_t bytes, int root);
   at::Tensor allgather(const at::Tensor& input, const std::vector<OpHeader>& headers);
+  at::Tensor reduceScatter(const at::Tensor& input, const OpHeader& header,
+                           const std::vector<OpHeader>& headers);
   std::string failedMessage(const OpHeader& header) const;
   std::string explainPeer(int peer, const std::string& message);
 

@@ -473,6 +473,32 @@ void ShmGroup::reduceToLeader(const char* data, size_t count, DType dtype, Reduc
   }
 }
 
+// Reduce-scatter through the staging buffers: with n ranks and blocks of B = count/n
+// elements, round k handles elements [o, o + len) of every block (len = what fits n times
+// in a chunk). Each rank stages piece p of its input (block p, offset o) at p*len, arrives,
+// waits, and reduces piece `me` of every rank's staging buffer into `out`. One
+// synchronization per round; double buffering as in broadcast. Each rank reads its input
+// once and writes only its block.
+void ShmGroup::reduceScatter(const char* input, char* out, size_t count, DType dtype,
+                             ReduceOp op, double scale) {
+  const int n = localSize(), me = opt_.localIndex;
+  const size_t esize = elementSize(dtype), block = count / n;
+  const size_t pieceElems = std::max<size_t>(1, opt_.chunkBytes / esize / n);
+  std::vector<const void*> srcs(n);
+  for (size_t o = 0; o < block; o += pieceElems) {
+    const size_t len = std::min(pieceElems, block - o);
+    const int buf = nextBuffer();
+    char* own = staging(me, buf);
+    for (int p = 0; p < n; ++p) {
+      std::memcpy(own + p * len * esize, input + (p * block + o) * esize, len * esize);
+    }
+    arrive();
+    waitAll();
+    for (int q = 0; q < n; ++q) srcs[q] = staging(q, buf) + me * len * esize;
+    reduceInto(out + o * esize, nullptr, srcs.data(), n, len, dtype, op, scale);
+  }
+}
+
 // Broadcast: the root copies a chunk into its staging buffer, everyone waits, the others
 // copy it out. Double buffering gives the same no-trailing-barrier argument as allreduce.
 void ShmGroup::broadcast(char* data, size_t bytes, int rootIndex) {

@@ -90,6 +90,10 @@ class ShmGroup {
   // The collectives on raw memory; `headers` are the whole job's headers of this operation.
   void allreduce(char* data, size_t count, DType dtype, ReduceOp op, double scale,
                  const std::vector<OpHeader>& headers);
+  // Local index i gets block i (elements [i*count/n, (i+1)*count/n)) of the reduction of
+  // every rank's `input` (count elements, left as it was) in `out` (count/n elements).
+  void reduceScatter(const char* input, char* out, size_t count, DType dtype, ReduceOp op,
+                     double scale);
   void broadcast(char* data, size_t bytes, int rootIndex);
   // 16-bit floats across hosts: the leader (local index 0) gets the float32 sum of every
   // local rank's `data` in `hostSum`; the others only contribute.
