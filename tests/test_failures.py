@@ -151,10 +151,11 @@ def _gpu_check_job(rank: int, odd: int) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_gpu_header_checks(world: int) -> None:
+@pytest.mark.parametrize("world,transport", [(2, "shm"), (3, "shm"), (3, "tcp")])
+def test_gpu_header_checks(world: int, transport: str) -> None:
     odd = world - 1
-    for rank, r in enumerate(spawn(world, _gpu_check_job, odd, env={"TORCHRING_TIMEOUT": "20"})):
+    env = {"TORCHRING_TIMEOUT": "20", "TORCHRING_TRANSPORT": transport}
+    for rank, r in enumerate(spawn(world, _gpu_check_job, odd, env=env)):
         assert r["agree"] == [None, None], f"rank {rank}: agreeing checks failed: {r['agree']}"
         assert r["cpu_result_ok"], f"rank {rank}: CPU allreduce between checks gave a wrong result"
         err = r["count"]

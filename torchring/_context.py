@@ -16,6 +16,7 @@ count) or a second init() in the same process never reads stale keys:
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import secrets
@@ -169,6 +170,10 @@ def init(timeout: float | None = None) -> None:
     used = "none" if world == 1 else "+".join(
         t for t, on in (("shm", comm.has_shm), ("tcp", comm.num_hosts > 1)) if on)
     _state = _State(launch, comm, local_rank, local_size, used or "none", arena_mb)
+    # At exit, a job that never called shutdown() still lets its last GPU collectives finish
+    # and stops the NCCL watchdog before the CUDA runtime unloads (registered once).
+    atexit.unregister(shutdown)
+    atexit.register(shutdown)
     try:
         cuda.setup(engine, dist.PrefixStore(prefix, store) if store is not None else None, "", rank,
                    world, local_rank, host, timeout)

@@ -29,6 +29,7 @@ _path = "none"
 _reason = "no CUDA device"
 _comm: Any = None
 _device: torch.device | None = None
+_timeout = 300.0
 
 
 class _NcclHandleWork:
@@ -61,8 +62,9 @@ def _choose_device(local_rank: int) -> int:
 def setup(engine: Any, store: Any, prefix: str, rank: int, world: int, local_rank: int,
           host: str, timeout: float) -> None:
     """Chooses the job's GPU path (every rank reaches the same choice) and joins NCCL if used."""
-    global _path, _reason, _comm, _device
+    global _path, _reason, _comm, _device, _timeout
     teardown()
+    _timeout = timeout
     wanted = os.environ.get("TORCHRING_CUDA_PATH", "auto").lower()
     if wanted not in ("auto", "nccl", "staged", "off"):
         raise ValueError(f"TORCHRING_CUDA_PATH={wanted!r}: expected auto, nccl, staged or off")
@@ -97,9 +99,16 @@ def setup(engine: Any, store: Any, prefix: str, rank: int, world: int, local_ran
 
 
 def teardown() -> None:
-    """Drops the NCCL communicator (a new init() makes a new one)."""
+    """Lets the NCCL collectives in flight finish (up to the timeout), then frees the NCCL
+    communicator; a new init() makes a new one. Runs before the CPU engine stops, which
+    still has to compare the last collectives' headers."""
     global _comm, _path
-    _comm, _path = None, "none"
+    comm, _comm, _path = _comm, None, "none"
+    if comm is not None:
+        try:
+            comm.drain(_timeout)
+        finally:
+            comm.close()
 
 
 def path() -> str:

@@ -96,7 +96,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return c.reduceScatter(t, static_cast<ReduceOp>(op), std::move(check));
            },
            py::arg("tensor"), py::arg("op"), py::arg("check"))
-      .def("abort", &NcclComm::abort, py::call_guard<py::gil_scoped_release>());
+      .def("abort", &NcclComm::abort, py::call_guard<py::gil_scoped_release>())
+      .def("drain", &NcclComm::drain, py::arg("timeout"), py::call_guard<py::gil_scoped_release>())
+      .def("close", &NcclComm::close, py::call_guard<py::gil_scoped_release>());
 #endif
 
   py::class_<Work, std::shared_ptr<Work>>(m, "Work")

@@ -96,26 +96,38 @@ NcclComm::NcclComm(int rank, int size, int device, const std::string& uniqueId, 
   std::memcpy(id.internal, uniqueId.data(), sizeof(id.internal));
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;  // lets setup be timed out and aborted
-  {
+  try {
     std::lock_guard<std::mutex> lock(mutex_);
     ncclResult_t result = ncclCommInitRankConfig(&comm_, size, id, rank, &config);
     if (result != ncclSuccess && result != ncclInProgress) check(result, "ncclCommInitRankConfig", "setup");
     waitEnqueued("ncclCommInitRankConfig", "setup (waiting for every rank to join)");
+  } catch (...) {
+    if (abortDue_ && comm_ != nullptr) ncclCommAbort(comm_);  // no other thread uses it yet
+    throw;
   }
   watchdog_ = std::thread([this] { watch(); });
 }
 
-// Stops the watchdog, then lets NCCL finish the communicator's work and frees it. If work is
-// still queued or finishing takes longer than the timeout (a peer is gone), ncclCommDestroy
-// would hang the exiting process: abort instead.
-NcclComm::~NcclComm() {
+NcclComm::~NcclComm() { close(); }
+
+// Stops the watchdog, then lets NCCL finish the communicator's work and frees it. With work
+// still queued, or finishing slower than the timeout (a peer is gone), ncclCommDestroy would
+// hang the process: abort instead.
+void NcclComm::close() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    stopping_ = true;
+    if (closed_) return;
+    closed_ = stopping_ = true;
   }
   cv_.notify_all();
   if (watchdog_.joinable()) watchdog_.join();
-  if (comm_ == nullptr || aborted_) return;
+  if (comm_ == nullptr) return;
+  if (aborted_) {
+    if (abortDue_) ncclCommAbort(comm_);  // marked, but the watchdog stopped before doing it
+    abortDue_ = false;
+    return;
+  }
+  c10::cuda::CUDAGuard guard(device_);
   bool busy = false;
   for (auto& p : pending_) {
     try {
@@ -148,10 +160,21 @@ void NcclComm::abort(const std::string& why) {
 
 void NcclComm::abortLocked(const std::string& why) {
   if (aborted_ || comm_ == nullptr) return;
-  aborted_ = true;
+  aborted_ = abortDue_ = true;
   failure_ = why;
   pending_.clear();
-  ncclCommAbort(comm_);
+  cv_.notify_all();  // the watchdog runs the abort
+}
+
+// ncclCommAbort waits for work NCCL queued on its own streams, which can take long when the
+// GPU is stuck: it runs with the lock released, so other threads see `aborted_` and raise.
+void NcclComm::runAbort(std::unique_lock<std::mutex>& lock) {
+  if (!abortDue_ || comm_ == nullptr) return;
+  abortDue_ = false;
+  ncclComm_t comm = comm_;
+  lock.unlock();
+  ncclCommAbort(comm);
+  lock.lock();
 }
 
 void NcclComm::check(ncclResult_t result, const std::string& call, const std::string& what) {
@@ -195,58 +218,99 @@ void NcclComm::checkAsyncError(const std::string& what) {
   if (state != ncclSuccess && state != ncclInProgress) check(state, "NCCL (asynchronous error)", what);
 }
 
-// The watchdog: every 100 ms it drops the collectives that completed (kernel done and
-// headers compared) from the front of `pending_`, and aborts the communicator when a header
-// check failed (ranks disagreed, or the engine saw a peer die), NCCL reported an
-// asynchronous error, or the oldest collective whose headers agreed has not completed within
-// the timeout. Aborting ends the in-flight kernels, so a host blocked on the stream wakes up,
-// and the next wait() or collective raises the message, which is also printed at once.
+std::string NcclComm::settleLocked() {
+  for (const auto& p : pending_) {
+    std::string error = p.check ? p.check->error() : "";
+    if (!error.empty()) {
+      return "rank " + std::to_string(rank_) + " (cuda:" + std::to_string(device_) + "): " + p.what +
+             " cannot run on NCCL: " + error;
+    }
+  }
+  while (!pending_.empty()) {
+    Pending& front = pending_.front();
+    if (!front.hasAgreed) {  // then it has a check
+      // Still comparing (the engine times out a missing peer and fails the check), or it
+      // failed since the scan above: reported next time.
+      if (!front.check->isCompleted() || !front.check->error().empty()) break;
+      front.hasAgreed = true;
+      front.agreed = Clock::now();
+    }
+    if (front.done->query()) {
+      pending_.pop_front();
+      continue;
+    }
+    if (secondsSince(front.agreed) > timeoutSec_) {
+      std::ostringstream msg;
+      msg << "rank " << rank_ << " (cuda:" << device_ << "): " << front.what << " did not complete within "
+          << timeoutSec_ << " s after every rank issued it (a GPU or a peer is stuck; raise "
+          << "TORCHRING_TIMEOUT if the GPU work queued before it takes that long)";
+      return msg.str();
+    }
+    break;
+  }
+  return "";
+}
+
+// The watchdog: every 100 ms (or at once when asked) it runs a due abort, drops collectives
+// that completed (kernel done, headers agreed) and aborts the communicator when a header check
+// failed (ranks disagreed, or the engine saw a peer die), NCCL reported an asynchronous error,
+// or the oldest agreed collective has not completed within the timeout of its agreement.
+// Aborting ends the in-flight kernels, so a host blocked on the stream wakes up; the reason is
+// printed at once and the next wait() or collective raises it.
 void NcclComm::watch() {
   std::unique_lock<std::mutex> lock(mutex_);
-  while (!stopping_) {
-    cv_.wait_for(lock, std::chrono::milliseconds(100));
-    if (stopping_ || aborted_ || pending_.empty()) continue;
+  try {
+    c10::cuda::CUDAGuard guard(device_);  // queries must not create a context on device 0
+    for (;;) {
+      runAbort(lock);
+      if (stopping_) return;
+      cv_.wait_for(lock, std::chrono::milliseconds(100));
+      if (stopping_ || aborted_ || pending_.empty()) continue;
+      std::string why;
+      try {
+        why = settleLocked();
+        if (why.empty()) {
+          ncclResult_t state = ncclSuccess;
+          ncclCommGetAsyncError(comm_, &state);
+          if (state != ncclSuccess && state != ncclInProgress) {
+            check(state, "NCCL (asynchronous error)", pending_.empty() ? "idle" : pending_.front().what);
+          }
+        }
+      } catch (const std::exception& e) {
+        why = e.what();  // check() marked the abort already
+      }
+      if (why.empty()) continue;
+      abortLocked(why + "; the NCCL communicator is aborted: call torchring.shutdown() and torchring.init()");
+      std::fprintf(stderr, "torchring watchdog: %s\n", failure_.c_str());
+      std::fflush(stderr);
+    }
+  } catch (const std::exception& e) {  // never let an exception end the process from here
+    std::fprintf(stderr, "torchring watchdog (rank %d) stopped: %s\n", rank_, e.what());
+  }
+}
+
+void NcclComm::drain(double timeoutSec) {
+  auto start = Clock::now();
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (!aborted_ && !pending_.empty()) {
     std::string why;
     try {
-      for (const auto& p : pending_) {
-        std::string error = p.check ? p.check->error() : "";
-        if (!error.empty()) {
-          why = "rank " + std::to_string(rank_) + " (cuda:" + std::to_string(device_) + "): " + p.what +
-                " cannot run on NCCL: " + error;
-          break;
-        }
-      }
-      while (why.empty() && !pending_.empty()) {
-        const Pending& front = pending_.front();
-        const bool agreed = !front.check || front.check->isCompleted();
-        if (agreed && front.done->query()) {
-          pending_.pop_front();
-          continue;
-        }
-        if (agreed && secondsSince(front.launched) > timeoutSec_) {
-          std::ostringstream msg;
-          msg << "rank " << rank_ << " (cuda:" << device_ << "): " << front.what
-              << " did not complete within " << timeoutSec_
-              << " s of its launch although every rank issued it (a GPU or a peer is stuck; "
-                 "raise TORCHRING_TIMEOUT if the GPU work queued before it takes that long)";
-          why = msg.str();
-        }
-        break;
-      }
-      if (why.empty()) {
-        ncclResult_t state = ncclSuccess;
-        ncclCommGetAsyncError(comm_, &state);
-        if (state != ncclSuccess && state != ncclInProgress) {
-          check(state, "NCCL (asynchronous error)", pending_.empty() ? "idle" : pending_.front().what);
-        }
-      }
+      why = settleLocked();
     } catch (const std::exception& e) {
-      why = e.what();  // check() aborted already
+      why = e.what();
     }
-    if (why.empty()) continue;
-    abortLocked(why + "; the NCCL communicator is aborted: call torchring.shutdown() and torchring.init()");
-    std::fprintf(stderr, "torchring watchdog: %s\n", failure_.c_str());
-    std::fflush(stderr);
+    if (why.empty() && !pending_.empty() && secondsSince(start) > timeoutSec) {
+      why = "rank " + std::to_string(rank_) + ": torchring.shutdown(): " + pending_.front().what +
+            " still running after " + std::to_string(timeoutSec) + " s";
+    }
+    if (!why.empty()) {
+      abortLocked(why);
+      std::fprintf(stderr, "torchring watchdog: %s\n", failure_.c_str());
+      break;
+    }
+    lock.unlock();
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    lock.lock();
   }
 }
 
@@ -271,7 +335,7 @@ std::shared_ptr<NcclWork> NcclComm::launch(const std::string& call, const std::s
   }
   auto done = std::make_shared<Event>();
   done->record(stream_.stream());
-  pending_.push_back({done, headerCheck, what, Clock::now()});
+  pending_.push_back({done, headerCheck, what, Clock::now(), headerCheck == nullptr});
   return std::make_shared<NcclWork>(shared_from_this(), done, std::move(headerCheck), std::move(result), what);
 }
 
@@ -301,6 +365,7 @@ std::shared_ptr<NcclWork> NcclComm::allgather(at::Tensor t, const std::vector<in
   int64_t rowElems = 1;  // from the trailing dims: right even when this rank has 0 rows
   for (int64_t d = 1; d < t.dim(); ++d) rowElems *= t.size(d);
   std::string what = "allgather #" + std::to_string(seq_++) + " " + describe(t);
+  const ncclDataType_t type = ncclType(t.scalar_type());  // may throw: not inside the group
   return launch("ncclBroadcast (grouped allgather)", what, {t, out}, out, std::move(headerCheck),
                 [&](cudaStream_t s) {
     ncclGroupStart();
@@ -309,7 +374,7 @@ std::shared_ptr<NcclWork> NcclComm::allgather(at::Tensor t, const std::vector<in
       const int64_t elems = rows[r] * rowElems;
       char* dst = static_cast<char*>(out.data_ptr()) + offset * t.element_size();
       const void* src = r == rank_ ? t.data_ptr() : dst;
-      if (elems > 0) ncclBroadcast(src, dst, elems, ncclType(t.scalar_type()), r, comm_, s);
+      if (elems > 0) ncclBroadcast(src, dst, elems, type, r, comm_, s);
       offset += elems;
     }
     return ncclGroupEnd();

@@ -7,6 +7,7 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <memory>
@@ -86,8 +87,15 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   // Raises TorchringError if the communicator failed or NCCL reported an asynchronous error
   // (then the communicator is aborted).
   void checkAsyncError(const std::string& what);
-  // Aborts the communicator: in-flight NCCL kernels end, later calls raise with `why`.
+  // Marks the communicator failed with `why` (later calls raise it) and has the watchdog
+  // abort NCCL, which ends the in-flight kernels.
   void abort(const std::string& why);
+  // Waits (host) until every launched collective completed and its headers were compared,
+  // up to `timeoutSec`; aborts on timeout. shutdown() calls it before close().
+  void drain(double timeoutSec);
+  // Stops the watchdog and frees the communicator: finalize + destroy when nothing is in
+  // flight, abort otherwise. Idempotent; the destructor calls it too.
+  void close();
   int rank() const { return rank_; }
   int device() const { return device_; }
   double timeout() const { return timeoutSec_; }
@@ -98,12 +106,18 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
     std::shared_ptr<Event> done;
     std::shared_ptr<Work> check;
     std::string what;
-    Clock::time_point launched;
+    Clock::time_point agreed;  // when its header check was first seen passed (or launch)
+    bool hasAgreed = false;
   };
-  // The three below run with mutex_ held.
+  // The four below run with mutex_ held. abortLocked() only marks the failure: the NCCL
+  // abort itself runs without the lock (runAbort), since it can wait on the GPU.
   void check(ncclResult_t result, const std::string& call, const std::string& what);
   void waitEnqueued(const std::string& call, const std::string& what);
   void abortLocked(const std::string& why);
+  // Drops completed, agreed collectives from the front; returns why the communicator must
+  // be aborted ("" if not): a failed check, or the oldest agreed collective is overdue.
+  std::string settleLocked();
+  void runAbort(std::unique_lock<std::mutex>& lock);
   // Orders `stream_` after the caller's current stream, launches `enqueue`, and returns a
   // handle whose event completes with it. `tensors` stay valid across both streams.
   template <typename F>
@@ -116,11 +130,11 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   double timeoutSec_;
   ncclComm_t comm_ = nullptr;
   c10::cuda::CUDAStream stream_;
-  uint64_t seq_ = 0;
+  std::atomic<uint64_t> seq_{0};
 
   std::mutex mutex_;  // NCCL calls on comm_, and everything below
   std::condition_variable cv_;
-  bool aborted_ = false, stopping_ = false;
+  bool aborted_ = false, abortDue_ = false, stopping_ = false, closed_ = false;
   std::string failure_;
   std::deque<Pending> pending_;
   std::thread watchdog_;
