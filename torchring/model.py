@@ -20,6 +20,7 @@ actually became ready on rank 0, which every rank adopts.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from typing import Any, Iterator
 
@@ -32,6 +33,10 @@ from . import _context, buckets as bucketing, collectives, cuda
 from ._errors import TorchringError
 
 _MB = 1 << 20
+# Autograd runs a model's CUDA part on a device thread and its CPU part on the caller's: the
+# hooks of a mixed model can fire on two threads at once. One lock keeps bucket counts and the
+# launch order consistent (module-level, so a wrapped model stays deep-copyable).
+_HOOK_LOCK = threading.RLock()
 _COMPRESSION = {None: None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -207,7 +212,8 @@ class DistributedModel(nn.Module):
     def _make_hook(self, i: int):
         def hook(p: torch.Tensor) -> None:
             if self._armed:
-                self._on_grad(i, p)
+                with _HOOK_LOCK:
+                    self._on_grad(i, p)
         return hook
 
     def _on_grad(self, i: int, p: torch.Tensor) -> None:
@@ -241,7 +247,7 @@ class DistributedModel(nn.Module):
 
     def _finalize(self) -> None:
         try:
-            with torch.no_grad():  # bucket copies must never record autograd history
+            with torch.no_grad(), _HOOK_LOCK:  # bucket copies must never record autograd history
                 self._settle()
         finally:
             # Also after a failure, so that a rebuilt communicator starts from a clean state.

@@ -56,15 +56,32 @@ def _collectives(rank: int, expected_path: str) -> list[str]:
         torchring.shutdown()
 
 
-def _wrap_parity(rank: int) -> list[str]:
+class _Mixed(nn.Module):
+    """First layer on the CPU, second on the GPU: autograd runs their backward (and wrap's
+    hooks) on two threads."""
+
+    def __init__(self, dev: torch.device) -> None:
+        super().__init__()
+        self.dev = dev
+        self.first, self.second = nn.Linear(16, 64), nn.Linear(64, 4).to(dev)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.relu(self.first(x.cpu())).to(self.dev))
+
+
+def _wrap_parity(rank: int, mixed: bool = False) -> list[str]:
     import torchring
     torchring.init()
     try:
         world, dev = torchring.size(), torchring.cuda.device()
-        torch.manual_seed(0)
-        ref = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4)).to(dev)
-        model = torchring.wrap(nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4)).to(dev),
-                               bucket_cap_mb=0.002, first_bucket_mb=0.001)
+
+        def make() -> nn.Module:
+            torch.manual_seed(0)
+            if mixed:
+                return _Mixed(dev)
+            return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4)).to(dev)
+        ref = make()
+        model = torchring.wrap(make(), bucket_cap_mb=0.002, first_bucket_mb=0.001)
         model.load_state_dict(ref.state_dict())
         opt_ref, opt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
         g = torch.Generator().manual_seed(1)
@@ -101,6 +118,12 @@ def test_forced_staged_path() -> None:
 @pytest.mark.parametrize("world", [1, 2])
 def test_wrap_parity_on_cuda(world: int) -> None:
     for failures in spawn(world, _wrap_parity, timeout=600):
+        assert failures == []
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_wrap_parity_cpu_and_cuda_model(world: int) -> None:
+    for failures in spawn(world, _wrap_parity, True, timeout=600):
         assert failures == []
 
 
