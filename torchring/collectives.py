@@ -199,7 +199,7 @@ def _reduce_scatter(tensor: torch.Tensor, op: ReduceOp, what: str, inline: bool)
 
 
 def reduce_scatter_async(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> Handle:
-    """Starts a reduce_scatter; wait() returns this rank's reduced block of rows."""
+    """Starts a reduce_scatter (keep `tensor` unchanged until wait()); wait() returns this rank's rows."""
     return _reduce_scatter(tensor, op, "reduce_scatter_async", False)
 
 
