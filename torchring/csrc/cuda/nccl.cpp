@@ -46,6 +46,9 @@ std::string describe(const at::Tensor& t) {
   return out.str();
 }
 
+// Ends every message that aborts the communicator.
+constexpr char kAborted[] = "; the NCCL communicator is aborted: call torchring.shutdown() and torchring.init()";
+
 void cudaCheck(cudaError_t result, const char* call) {
   if (result != cudaSuccess) {
     throw TorchringError(std::string(call) + " failed: " + cudaGetErrorString(result));
@@ -166,6 +169,14 @@ void NcclComm::abortLocked(const std::string& why) {
   cv_.notify_all();  // the watchdog runs the abort
 }
 
+// A failure found off the caller's thread (watchdog, drain): abort, and print it at once,
+// since no caller may look for a while. (check() aborted already when it is the source.)
+void NcclComm::failLocked(const std::string& why) {
+  abortLocked(why.find(kAborted) == std::string::npos ? why + kAborted : why);
+  std::fprintf(stderr, "torchring watchdog: %s\n", failure_.c_str());
+  std::fflush(stderr);
+}
+
 // ncclCommAbort waits for work NCCL queued on its own streams, which can take long when the
 // GPU is stuck: it runs with the lock released, so other threads see `aborted_` and raise.
 void NcclComm::runAbort(std::unique_lock<std::mutex>& lock) {
@@ -184,7 +195,7 @@ void NcclComm::check(ncclResult_t result, const std::string& call, const std::st
       << " failed: " << ncclGetErrorString(result);
   const char* last = comm_ ? ncclGetLastError(comm_) : nullptr;
   if (last != nullptr && *last) msg << " (" << last << ")";
-  msg << "; the NCCL communicator is aborted: call torchring.shutdown() and torchring.init()";
+  msg << kAborted;
   abortLocked(msg.str());
   throw TorchringError(msg.str());
 }
@@ -279,10 +290,7 @@ void NcclComm::watch() {
       } catch (const std::exception& e) {
         why = e.what();  // check() marked the abort already
       }
-      if (why.empty()) continue;
-      abortLocked(why + "; the NCCL communicator is aborted: call torchring.shutdown() and torchring.init()");
-      std::fprintf(stderr, "torchring watchdog: %s\n", failure_.c_str());
-      std::fflush(stderr);
+      if (!why.empty()) failLocked(why);
     }
   } catch (const std::exception& e) {  // never let an exception end the process from here
     std::fprintf(stderr, "torchring watchdog (rank %d) stopped: %s\n", rank_, e.what());
@@ -304,8 +312,7 @@ void NcclComm::drain(double timeoutSec) {
             " still running after " + std::to_string(timeoutSec) + " s";
     }
     if (!why.empty()) {
-      abortLocked(why);
-      std::fprintf(stderr, "torchring watchdog: %s\n", failure_.c_str());
+      failLocked(why);
       break;
     }
     lock.unlock();

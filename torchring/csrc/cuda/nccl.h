@@ -109,11 +109,12 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
     Clock::time_point agreed;  // when its header check was first seen passed (or launch)
     bool hasAgreed = false;
   };
-  // The four below run with mutex_ held. abortLocked() only marks the failure: the NCCL
+  // The five below run with mutex_ held. abortLocked() only marks the failure: the NCCL
   // abort itself runs without the lock (runAbort), since it can wait on the GPU.
   void check(ncclResult_t result, const std::string& call, const std::string& what);
   void waitEnqueued(const std::string& call, const std::string& what);
   void abortLocked(const std::string& why);
+  void failLocked(const std::string& why);  // abortLocked + how to recover + printed at once
   // Drops completed, agreed collectives from the front; returns why the communicator must
   // be aborted ("" if not): a failed check, or the oldest agreed collective is overdue.
   std::string settleLocked();
