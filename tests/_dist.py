@@ -141,6 +141,13 @@ class StoreGate:
             pass
 
 
+def launch_env(rank: int, world_size: int, port: int, job_id: str) -> dict[str, str]:
+    """The variables a launcher gives one rank of a single-host job (rendezvous on 127.0.0.1)."""
+    return dict(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                TORCHRING_JOB_ID=job_id)
+
+
 def spawn(world_size: int, fn: Callable[..., Any], *args: Any, env: dict[str, str] | None = None,
           rank_env: Sequence[dict[str, str]] | None = None, timeout: float = 120,
           expect_fail: bool = False, host_store: bool = True,
@@ -162,9 +169,7 @@ def spawn(world_size: int, fn: Callable[..., Any], *args: Any, env: dict[str, st
     envs = []
     for rank in range(world_size):
         e = {k: v for k, v in os.environ.items() if k.startswith("TORCHRING_")}
-        e.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                 LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                 TORCHRING_JOB_ID=job_id)
+        e.update(launch_env(rank, world_size, port, job_id))
         if host_store:
             e.update(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
         e.update(env or {})

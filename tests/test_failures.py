@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from _checks import Checker, expected_allreduce, rank_input
-from _dist import Job, StoreGate, free_port, hybrid_env, run_alone, spawn
+from _dist import Job, StoreGate, free_port, hybrid_env, launch_env, run_alone, spawn
 
 # One collective call: (kind, dtype, numel, op, src, inner dims for allgather).
 Call = tuple[str, torch.dtype, int, str, int, tuple[int, ...]]
@@ -188,13 +188,12 @@ def test_peer_in_another_pid_namespace() -> None:
     probe = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True)
     if probe.returncode != 0:
         pytest.skip(f"cannot create a PID namespace here (unshare: {probe.stderr.decode().strip()})")
-    base = {**os.environ, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(free_port()), "TORCHRING_JOB_ID": f"pidns-{uuid.uuid4().hex[:8]}",
-            "TORCHRING_TIMEOUT": "30", "TORCHRING_TRANSPORT": "shm"}
-    base.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    base = {**os.environ, "TORCHRING_TIMEOUT": "30", "TORCHRING_TRANSPORT": "shm"}
+    base.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # rank 0 hosts the store
+    port, job_id = free_port(), f"pidns-{uuid.uuid4().hex[:8]}"
     cmds = [[sys.executable, "-c", _PIDNS_RANK],
             ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", _PIDNS_RANK]]
-    procs = [subprocess.Popen(cmd, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+    procs = [subprocess.Popen(cmd, env={**base, **launch_env(r, 2, port, job_id)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
              for r, cmd in enumerate(cmds)]
     try:
