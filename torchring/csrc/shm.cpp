@@ -426,29 +426,35 @@ void ShmGroup::allreduce(char* data, size_t count, DType dtype, ReduceOp op, dou
   }
 }
 
-// Zero-copy allreduce, used when every local rank's tensor lives in its arena: each rank
-// reduces its slice straight out of the peers' tensors into its own, waits, copies the
-// other slices out of their owners' tensors, and waits once more so that no peer still
-// reads this rank's tensor when the call returns. Three synchronizations for any size.
+// Zero-copy allreduce, used when every local rank's tensor lives in its arena. The header
+// exchange that precedes it proves every tensor is complete. Each rank reduces its own
+// slice [lo, hi) straight out of all n tensors and writes the result into its own tensor
+// and into every peer's, a block of kPushBytes at a time (the block stays in cache for the
+// extra copies); slices are disjoint, so no two ranks touch the same bytes. Then it arrives
+// and waits: once every peer has arrived, every slice of this rank's tensor is final and no
+// peer reads it any more. One synchronization; per rank it reads S and writes S.
 void ShmGroup::allreduceZeroCopy(char* data, size_t count, DType dtype, ReduceOp op,
                                  double scale, const std::vector<OpHeader>& headers) {
+  constexpr size_t kPushBytes = 256 << 10;
   const int n = localSize(), me = opt_.localIndex;
   const size_t esize = elementSize(dtype);
-  std::vector<const char*> tensors(n);
+  std::vector<char*> tensors(n);
   for (int p = 0; p < n; ++p) {
     tensors[p] = p == me ? data
                          : mappings_[p]->base + arenaOffset_ + headers[opt_.localRanks[p]].arenaOffset;
   }
   auto [lo, hi] = sliceOf(me, n, count, esize);
+  const int peer = n > 1 ? (me + 1) % n : me;
   std::vector<const void*> srcs(n);
-  for (int p = 0; p < n; ++p) srcs[p] = tensors[p] + lo * esize;
-  reduceInto(data + lo * esize, nullptr, srcs.data(), n, hi - lo, dtype, op, scale);
-  arrive();
-  waitAll();
-  for (int p = 0; p < n; ++p) {
-    if (p == me) continue;
-    auto [plo, phi] = sliceOf(p, n, count, esize);
-    std::memcpy(data + plo * esize, tensors[p] + plo * esize, (phi - plo) * esize);
+  const size_t step = std::max<size_t>(1, kPushBytes / esize);
+  for (size_t start = lo; start < hi; start += step) {
+    const size_t len = std::min(step, hi - start), off = start * esize;
+    for (int p = 0; p < n; ++p) srcs[p] = tensors[p] + off;
+    reduceInto(data + off, peer != me ? tensors[peer] + off : nullptr, srcs.data(), n, len,
+               dtype, op, scale);
+    for (int p = 0; p < n; ++p) {
+      if (p != me && p != peer) std::memcpy(tensors[p] + off, data + off, len * esize);
+    }
   }
   arrive();
   waitAll();
