@@ -4,17 +4,21 @@
     python benchmarks/train_step.py --world 3 --steps 10 --rounds 3 --json bench-train.json
 
 Configurations, each the same model and per-rank batch, SGD, torch.set_num_threads(1) per rank:
-  single      rank 0 alone (the other ranks sleep in a barrier): one process, no communication
-  compute     every rank trains its own copy at once, no communication (what the job costs
-              without gradient averaging: the floor for any data-parallel library)
-  ddp         torch.nn.parallel.DistributedDataParallel over gloo, default buckets
-  torchring   torchring.wrap(model), default buckets
+  single        rank 0 alone (the other ranks sleep in a barrier): one process, no communication
+  compute       every rank trains its own copy at once, no communication (what the job costs
+                without gradient averaging: the floor for any data-parallel library)
+  compute+pool  compute, with backward's large allocations served from torchring's gradient
+                pool as in a wrapped backward (no communication): separates what the pool
+                saves (page faults of fresh gradients) from what communication costs
+  ddp           torch.nn.parallel.DistributedDataParallel over gloo, default buckets
+  torchring     torchring.wrap(model), default buckets
 Each round times every configuration for --steps steps after --warmup steps (in reverse order
 on odd rounds, so drift hits all of them alike); a step's time is the max over ranks. The table
 shows the median of the per-round medians, and the ratios are medians of per-round ratios:
 on a shared machine whose speed drifts, configurations timed back to back in one round compare
-more fairly than medians taken apart. "hidden" is the share of a bare allreduce of the whole gradient that the
-wrapped step did not add on top of the compute step: 1 - (torchring - compute) / allreduce.
+more fairly than medians taken apart. "faults" are rank 0's minor page faults per step.
+"hidden" is the share of a bare allreduce of the whole gradient that the wrapped step did not
+add on top of the compute+pool step: 1 - (torchring - compute+pool) / allreduce.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import resource
 import socket
 import statistics
 import sys
@@ -45,23 +50,30 @@ def mlp(width: int) -> nn.Module:
 
 
 def timed_steps(model: nn.Module, batch: int, width: int, steps: int, warmup: int,
-                barrier: Callable[[], None]) -> list[float]:
-    """Seconds per training step on this rank (after warmup), each step started together."""
+                barrier: Callable[[], None], pooled: bool = False) -> tuple[list[float], float]:
+    """Seconds per training step on this rank (after warmup), each step started together, and
+    this rank's minor page faults per step."""
+    from torchring import memory
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     device = next(model.parameters()).device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     x, y = torch.randn(batch, width, device=device), torch.randn(batch, width, device=device)
-    times = []
+    times, faults = [], 0
     for step in range(warmup + steps):
         barrier()
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         start = time.perf_counter()
         opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
+        loss = nn.functional.mse_loss(model(x), y)
+        memory.grad_pool_active(pooled)
+        loss.backward()
+        memory.grad_pool_active(False)
         opt.step()
         sync()
         if step >= warmup:
             times.append(time.perf_counter() - start)
-    return times
+            faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    return times, faults / steps
 
 
 def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
@@ -88,7 +100,9 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: A
         torchring.allreduce(t, torchring.ReduceOp.MAX)
         return t.item()
 
-    results: dict[str, list[float]] = {k: [] for k in ("single", "compute", "ddp", "torchring")}
+    names = ("single", "compute", "compute+pool", "ddp", "torchring")
+    results: dict[str, list[float]] = {k: [] for k in names}
+    faults: dict[str, list[float]] = {k: [] for k in names}
     model = mlp(args.width).to(device)
     ddp = DistributedDataParallel(mlp(args.width).to(device),
                                   device_ids=[device.index] if device.type == "cuda" else None)
@@ -96,23 +110,29 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: A
     flat = torch.ones(sum(p.numel() for p in model.parameters()), device=device)
     bare = []
 
-    def single() -> float:
-        mine = (statistics.median(timed_steps(model, args.batch, args.width, args.steps, args.warmup,
-                                              lambda: None)) if rank == 0 else 0.0)
+    def single() -> tuple[float, float]:
+        times, fault = (timed_steps(model, args.batch, args.width, args.steps, args.warmup,
+                                    lambda: None) if rank == 0 else ([0.0], 0.0))
         torchring.barrier()
-        return torchring.broadcast_object(mine, 0)
+        return torchring.broadcast_object(statistics.median(times), 0), fault
 
-    def together(m: nn.Module) -> Callable[[], float]:
-        return lambda: step_max(timed_steps(m, args.batch, args.width, args.steps, args.warmup,
-                                            torchring.barrier))
+    def together(m: nn.Module, pooled: bool = False) -> Callable[[], tuple[float, float]]:
+        def run() -> tuple[float, float]:
+            times, fault = timed_steps(m, args.batch, args.width, args.steps, args.warmup,
+                                       torchring.barrier, pooled)
+            return step_max(times), fault
+        return run
 
-    configs = [("single", single), ("compute", together(model)), ("ddp", together(ddp)),
+    configs = [("single", single), ("compute", together(model)),
+               ("compute+pool", together(model, pooled=True)), ("ddp", together(ddp)),
                ("torchring", together(wrapped))]
     for round_ in range(args.rounds):
         # Odd rounds run the configurations in reverse, so slow drift of a shared machine
         # does not favour whichever runs first.
         for name, run in configs if round_ % 2 == 0 else configs[::-1]:
-            results[name].append(run())
+            step, fault = run()
+            results[name].append(step)
+            faults[name].append(fault)
         torchring.barrier()
         start = time.perf_counter()
         torchring.allreduce(flat, torchring.ReduceOp.AVG)
@@ -121,7 +141,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: A
         bare.append(step_max([time.perf_counter() - start]))
     stats = wrapped.bucket_stats()
     if rank == 0:
-        out.put({"results": results, "bare_allreduce": bare, "buckets": stats,
+        out.put({"results": results, "faults": faults, "bare_allreduce": bare, "buckets": stats,
                  "params": sum(p.numel() for p in model.parameters())})
     torchring.shutdown()
     dist.destroy_process_group()
@@ -161,19 +181,21 @@ def main() -> None:
     def ratio(a: str, b: str) -> float:
         return statistics.median(x / y for x, y in zip(report["results"][a], report["results"][b]))
     bare = statistics.median(report["bare_allreduce"])
-    hidden = 1 - (ratio("torchring", "compute") - 1) * med["compute"] / bare
+    hidden = 1 - (ratio("torchring", "compute+pool") - 1) * med["compute+pool"] / bare
     cores = len(os.sched_getaffinity(0))
     print(f"# train step: MLP width {args.width} ({report['params'] / 1e6:.2f}M params), batch "
           f"{args.batch}/rank, world {args.world}{' (oversubscribed)' if args.world > cores else ''}, "
           f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {cores} cores, "
           f"{datetime.date.today()}")
-    print("| config | step (ms) | rounds (ms) | vs compute (per-round ratio) |")
-    print("|---|---|---|---|")
+    print("| config | step (ms) | rounds (ms) | vs compute (per-round ratio) | faults/step |")
+    print("|---|---|---|---|---|")
     for k, v in report["results"].items():
         rounds = ", ".join(f"{x * 1e3:.1f}" for x in v)
-        print(f"| {k} | {med[k] * 1e3:.1f} | {rounds} | {ratio(k, 'compute'):.3f}x |")
+        print(f"| {k} | {med[k] * 1e3:.1f} | {rounds} | {ratio(k, 'compute'):.3f}x | "
+              f"{statistics.median(report['faults'][k]):.0f} |")
     print(f"\ntorchring / ddp = {ratio('torchring', 'ddp'):.3f}, torchring / compute = "
-          f"{ratio('torchring', 'compute'):.3f}, ddp / compute = {ratio('ddp', 'compute'):.3f} "
+          f"{ratio('torchring', 'compute'):.3f}, torchring / compute+pool = "
+          f"{ratio('torchring', 'compute+pool'):.3f}, ddp / compute = {ratio('ddp', 'compute'):.3f} "
           f"(medians of per-round ratios), bare allreduce of the gradient = {bare * 1e3:.1f} ms, "
           f"hidden = {hidden:.0%}")
     print("buckets of the last step:", [(b["bucket"], round(b["bytes"] / 2**20, 1),
@@ -185,6 +207,7 @@ def main() -> None:
             json.dump({"args": vars(args), "median_s": med, "bare_allreduce_s": bare,
                        "ratios": {"torchring/ddp": ratio("torchring", "ddp"),
                                   "torchring/compute": ratio("torchring", "compute"),
+                                  "torchring/compute+pool": ratio("torchring", "compute+pool"),
                                   "ddp/compute": ratio("ddp", "compute")}, **report}, f, indent=1)
 
 

@@ -273,6 +273,8 @@ def _cases() -> list[Case]:
     mse, ce = F.mse_loss, F.cross_entropy
     return [
         Case("mlp", MLP, _regression, mse),
+        # fc2's 256x256 gradient (256 KiB) and larger ones come from the gradient pool.
+        Case("wide mlp (pooled gradients)", lambda: MLP(hidden=512), _regression, mse),
         Case("mlp small buckets, zero_grad(set_to_none=False)", MLP, _regression, mse, SMALL,
              set_to_none=False, min_buckets=3),
         Case("cnn+batchnorm (train mode, per-shard stats)", CNN, _images, ce, SMALL, per_shard=True,
@@ -862,3 +864,83 @@ def _repeated_order(rank: int) -> list[str]:
 
 def test_repeated_names_in_a_bucket_order_place_each_parameter_once() -> None:
     assert spawn(1, _repeated_order) == [[]]
+
+
+# ------------------------------------------------------------------------- gradient pool
+WIDE = 512  # MLP(hidden=512): fc2.weight's gradient is 1 MiB, above the pool's 256 KiB floor
+
+
+def _pool_job(rank: int) -> dict[str, Any]:
+    """Three steps of a wide MLP; pool counters around them, and whether gradients that a
+    user hook kept from step 0 survive later steps that reuse the pool's blocks."""
+    import torchring
+    from torchring import memory
+
+    torchring.init()
+    try:
+        torch.manual_seed(5)
+        ddp = torchring.wrap(MLP(hidden=WIDE))
+        opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+        kept: list[torch.Tensor] = []
+        hook = ddp.module.fc2.weight.register_hook(lambda g: kept.append(g))
+        counters = []
+        for step in range(3):
+            x, y = _regression(step, PER_RANK * torchring.size())
+            opt.zero_grad()
+            F.mse_loss(ddp(_shard(x, rank)), _shard(y, rank)).backward()
+            counters.append(memory.grad_pool_stats())
+            if step == 0:
+                hook.remove()
+                kept_copy = kept[0].clone()
+        with ddp.no_sync():  # a micro-step of gradient accumulation
+            x, y = _regression(3, PER_RANK * torchring.size())
+            F.mse_loss(ddp(_shard(x, rank)), _shard(y, rank)).backward()
+        counters.append(memory.grad_pool_stats())
+        before = memory.grad_pool_stats()
+        outside = torch.ones(1 << 20)  # 4 MiB after backward: torch's own allocator
+        after = memory.grad_pool_stats()
+        return dict(counters=counters, active_after=after["active"],
+                    outside_pooled=(after["hits"] + after["misses"]) - (before["hits"] + before["misses"]),
+                    outside_sum=float(outside.sum()),
+                    kept_intact=torch.equal(kept[0], kept_copy), kept_len=len(kept))
+    finally:
+        torchring.shutdown()
+
+
+def test_gradient_pool_serves_backward_only() -> None:
+    """Large allocations of a wrapped backward (synchronized or no_sync) reuse the pool's blocks
+    from step 1 on; nothing outside backward is pooled; a gradient a user kept is never handed
+    out again."""
+    for rank, got in enumerate(spawn(2, _pool_job)):
+        c = got["counters"]
+        assert c[0]["installed"], f"rank {rank}: pool not installed: {c[0]}"
+        assert c[0]["misses"] > 0, f"rank {rank}: step 0 mapped no blocks: {c[0]}"
+        # From step 1 on the same sizes come back: hits grow, no new blocks are mapped.
+        assert c[2]["hits"] > c[1]["hits"] > c[0]["hits"], f"rank {rank}: no reuse: {c}"
+        assert c[2]["misses"] == c[1]["misses"], f"rank {rank}: step 2 still mapped new blocks: {c}"
+        assert c[2]["cached_bytes"] <= c[2]["limit_bytes"], f"rank {rank}: cache over limit: {c[2]}"
+        assert c[3]["hits"] > c[2]["hits"] and not c[3]["active"], (
+            f"rank {rank}: a no_sync backward did not use the pool, or left it on: {c}")
+        assert not got["active_after"], f"rank {rank}: pool still active after backward"
+        assert got["outside_pooled"] == 0 and got["outside_sum"] == float(1 << 20), got
+        assert got["kept_len"] == 1 and got["kept_intact"], (
+            f"rank {rank}: a gradient kept from step 0 changed after later steps: {got}")
+
+
+def _pool_off_job(rank: int) -> dict[str, Any]:
+    import torchring
+    from torchring import memory
+
+    torchring.init()
+    try:
+        ddp = torchring.wrap(MLP(hidden=WIDE))
+        x, y = _regression(0, PER_RANK)
+        F.mse_loss(ddp(x), y).backward()
+        return memory.grad_pool_stats()
+    finally:
+        torchring.shutdown()
+
+
+def test_gradient_pool_can_be_turned_off() -> None:
+    stats = spawn(1, _pool_off_job, env={"TORCHRING_GRAD_POOL_MB": "0"})[0]
+    assert not stats["installed"] and stats["hits"] == stats["misses"] == 0, stats

@@ -14,7 +14,9 @@ How one synchronized step runs:
    bucket and settles each parameter's ``.grad``: averaged when any rank used it, left as
    it was (None) when no rank did. ``backward()`` returns after it.
 After the first synchronized step the buckets are rebuilt once in the order gradients
-actually became ready on rank 0, which every rank adopts.
+actually became ready on rank 0, which every rank adopts. During every backward through the
+wrapper (no_sync ones too), large CPU allocations, the fresh gradients among them, come from
+torchring's gradient pool (memory.py): memory kept between steps, so no page is faulted in.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from torch import nn
 
 from torch.utils import _pytree
 
-from . import _context, buckets as bucketing, collectives, cuda
+from . import _context, buckets as bucketing, collectives, cuda, memory
 from ._errors import TorchringError
 
 _MB = 1 << 20
@@ -71,6 +73,9 @@ class DistributedModel(nn.Module):
         self._stats: list[dict[str, Any]] = []
         self._hooks: list[Any] = []
         self._setup_buckets(first=None)
+        # Fresh CPU gradients come from memory kept between steps (no page faults); see memory.py.
+        cpu_grad_bytes = sum(p.numel() * p.element_size() for p in self._params if p.device.type == "cpu")
+        self._pool = cpu_grad_bytes > 0 and memory.reserve_grad_pool(cpu_grad_bytes)
 
     # ----------------------------------------------------------------- set-up
     def _check_module(self, module: nn.Module) -> None:
@@ -150,6 +155,8 @@ class DistributedModel(nn.Module):
     # ------------------------------------------------------------ public API
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the model; arms gradient synchronization when grad is enabled."""
+        if self._pool:  # a backward that failed never reached _finalize
+            memory.grad_pool_active(False)
         if torch.is_grad_enabled():
             sync = bool(self.require_backward_grad_sync)
             if sync and any(p.requires_grad and id(p) not in self._trainable for p in self.module.parameters()):
@@ -161,7 +168,24 @@ class DistributedModel(nn.Module):
         out = self.module(*args, **kwargs)
         if self._armed and torch.is_grad_enabled():
             out = self._through_sink(out)
+        elif self._pool and torch.is_grad_enabled():
+            self._pool_unarmed_backward(out)
         return out
+
+    def _pool_unarmed_backward(self, out: Any) -> None:
+        """A no_sync backward also takes its fresh gradients from the pool: a hook on the first
+        output that needs a gradient (it fires first in backward) turns the pool on, and a
+        callback at the end of that backward turns it off. No output is cloned."""
+        leaf = next((t for t in _pytree.tree_leaves(out)
+                     if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        if leaf is None:
+            return
+
+        def pool_on(grad: torch.Tensor) -> None:
+            memory.grad_pool_active(True)
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: memory.grad_pool_active(False))
+        leaf.register_hook(pool_on)
 
     def _through_sink(self, out: Any) -> Any:
         """Routes the outputs through _Sink, whose backward runs first in the outermost
@@ -252,6 +276,8 @@ class DistributedModel(nn.Module):
         finally:
             # Also after a failure, so that a rebuilt communicator starts from a clean state.
             self._callback_queued = False
+            if self._pool:
+                memory.grad_pool_active(False)
             self._reset_backward_state()
         if not self._rebuilt:
             self._rebuild_by_ready_order()
@@ -341,6 +367,8 @@ class _Sink(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         ctx.model._queue_finalize()
+        if ctx.model._pool:  # until _finalize: the parameters' gradients come from the pool
+            memory.grad_pool_active(True)
         return (None, *grads)
 
 

@@ -7,6 +7,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "communicator.h"
+#include "grad_pool.h"
 #ifdef TORCHRING_WITH_NCCL
 #include "cuda/nccl.h"
 #endif
@@ -70,6 +71,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     }
   });
   m.def("build_info", &buildInfo);
+
+  namespace gradpool = torchring::gradpool;
+  m.def("grad_pool_install", &gradpool::install, py::arg("limit_bytes"));
+  m.def("grad_pool_set_active", &gradpool::setActive, py::arg("active"));
+  m.def("grad_pool_stats", [] {
+    gradpool::Stats s = gradpool::stats();
+    py::dict d;
+    d["installed"] = gradpool::installed();
+    d["active"] = gradpool::active();  // for the calling thread
+    d["hits"] = s.hits;
+    d["misses"] = s.misses;
+    d["released"] = s.released;
+    d["cached_bytes"] = s.cachedBytes;
+    d["live_bytes"] = s.liveBytes;
+    d["limit_bytes"] = s.limitBytes;
+    d["min_bytes"] = s.minBytes;
+    return d;
+  });
 
 #ifdef TORCHRING_WITH_NCCL
   using torchring::NcclComm;
