@@ -273,7 +273,7 @@ def _cases() -> list[Case]:
     mse, ce = F.mse_loss, F.cross_entropy
     return [
         Case("mlp", MLP, _regression, mse),
-        # fc2's 256x256 gradient (256 KiB) and larger ones come from the gradient pool.
+        # fc2's 512x512 gradient (1 MiB) comes from the gradient pool (256 KiB and up).
         Case("wide mlp (pooled gradients)", lambda: MLP(hidden=512), _regression, mse),
         Case("mlp small buckets, zero_grad(set_to_none=False)", MLP, _regression, mse, SMALL,
              set_to_none=False, min_buckets=3),
@@ -870,9 +870,24 @@ def test_repeated_names_in_a_bucket_order_place_each_parameter_once() -> None:
 WIDE = 512  # MLP(hidden=512): fc2.weight's gradient is 1 MiB, above the pool's 256 KiB floor
 
 
+def _pool_step(ddp: Any, opt: Any, rank: int, step: int) -> None:
+    x, y = _regression(step, PER_RANK * _world())
+    opt.zero_grad()
+    F.mse_loss(ddp(_shard(x, rank)), _shard(y, rank)).backward()
+
+
+def _world() -> int:
+    import torchring
+    return torchring.size()
+
+
+def _pooled_count(stats: dict[str, Any]) -> int:
+    return stats["hits"] + stats["misses"]
+
+
 def _pool_job(rank: int) -> dict[str, Any]:
-    """Three steps of a wide MLP; pool counters around them, and whether gradients that a
-    user hook kept from step 0 survive later steps that reuse the pool's blocks."""
+    """Steps of a wide MLP with the pool's counters after each; a no_sync step; a backward
+    that raises; allocations outside backward; gradients a user hook kept from step 0."""
     import torchring
     from torchring import memory
 
@@ -885,32 +900,45 @@ def _pool_job(rank: int) -> dict[str, Any]:
         hook = ddp.module.fc2.weight.register_hook(lambda g: kept.append(g))
         counters = []
         for step in range(3):
-            x, y = _regression(step, PER_RANK * torchring.size())
-            opt.zero_grad()
-            F.mse_loss(ddp(_shard(x, rank)), _shard(y, rank)).backward()
+            _pool_step(ddp, opt, rank, step)
             counters.append(memory.grad_pool_stats())
             if step == 0:
                 hook.remove()
                 kept_copy = kept[0].clone()
         with ddp.no_sync():  # a micro-step of gradient accumulation
-            x, y = _regression(3, PER_RANK * torchring.size())
-            F.mse_loss(ddp(_shard(x, rank)), _shard(y, rank)).backward()
+            _pool_step(ddp, opt, rank, 3)
         counters.append(memory.grad_pool_stats())
+
         before = memory.grad_pool_stats()
         outside = torch.ones(1 << 20)  # 4 MiB after backward: torch's own allocator
-        after = memory.grad_pool_stats()
-        return dict(counters=counters, active_after=after["active"],
-                    outside_pooled=(after["hits"] + after["misses"]) - (before["hits"] + before["misses"]),
-                    outside_sum=float(outside.sum()),
-                    kept_intact=torch.equal(kept[0], kept_copy), kept_len=len(kept))
+        after_outside = memory.grad_pool_stats()
+
+        def fail(grad: torch.Tensor) -> None:
+            raise RuntimeError("hook failed on purpose")
+        failing = ddp.module.fc1.weight.register_hook(fail)
+        x, y = _regression(4, PER_RANK * torchring.size())
+        try:
+            F.mse_loss(ddp(_shard(x, rank)), _shard(y, rank)).backward()
+            raised = False
+        except RuntimeError:
+            raised = True
+        failing.remove()
+        after_failure = memory.grad_pool_stats()
+        big = torch.ones(1 << 20)  # after a failed backward: still torch's own allocator
+        after_big = memory.grad_pool_stats()
+        return dict(counters=counters, outside=_pooled_count(after_outside) - _pooled_count(before),
+                    outside_sum=float(outside.sum()), raised=raised,
+                    after_failure=_pooled_count(after_big) - _pooled_count(after_failure),
+                    big_sum=float(big.sum()), kept_intact=torch.equal(kept[0], kept_copy),
+                    kept_len=len(kept))
     finally:
         torchring.shutdown()
 
 
 def test_gradient_pool_serves_backward_only() -> None:
     """Large allocations of a wrapped backward (synchronized or no_sync) reuse the pool's blocks
-    from step 1 on; nothing outside backward is pooled; a gradient a user kept is never handed
-    out again."""
+    from step 1 on; nothing outside backward is pooled, also after a backward that raised; a
+    gradient a user kept is never handed out again."""
     for rank, got in enumerate(spawn(2, _pool_job)):
         c = got["counters"]
         assert c[0]["installed"], f"rank {rank}: pool not installed: {c[0]}"
@@ -918,13 +946,53 @@ def test_gradient_pool_serves_backward_only() -> None:
         # From step 1 on the same sizes come back: hits grow, no new blocks are mapped.
         assert c[2]["hits"] > c[1]["hits"] > c[0]["hits"], f"rank {rank}: no reuse: {c}"
         assert c[2]["misses"] == c[1]["misses"], f"rank {rank}: step 2 still mapped new blocks: {c}"
-        assert c[2]["cached_bytes"] <= c[2]["limit_bytes"], f"rank {rank}: cache over limit: {c[2]}"
-        assert c[3]["hits"] > c[2]["hits"] and not c[3]["active"], (
-            f"rank {rank}: a no_sync backward did not use the pool, or left it on: {c}")
-        assert not got["active_after"], f"rank {rank}: pool still active after backward"
-        assert got["outside_pooled"] == 0 and got["outside_sum"] == float(1 << 20), got
+        assert c[3]["hits"] > c[2]["hits"], f"rank {rank}: a no_sync backward did not use the pool: {c}"
+        assert all(x["active_tasks"] == 0 for x in c), f"rank {rank}: a backward stayed registered: {c}"
+        assert got["outside"] == 0 and got["outside_sum"] == float(1 << 20), got
+        assert got["raised"] and got["after_failure"] == 0 and got["big_sum"] == float(1 << 20), (
+            f"rank {rank}: allocations after a failed backward were pooled: {got}")
         assert got["kept_len"] == 1 and got["kept_intact"], (
             f"rank {rank}: a gradient kept from step 0 changed after later steps: {got}")
+
+
+def _pool_churn_job(rank: int) -> list[dict[str, Any]]:
+    """With an 8 MiB pool, step 0's backward also frees two 4 MiB blocks of a size that never
+    comes back, before fc2's 1 MiB gradient returns to the pool."""
+    import torchring
+    from torchring import memory
+
+    torchring.init()
+    try:
+        torch.manual_seed(6)
+        ddp = torchring.wrap(MLP(hidden=WIDE))
+        opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+        churn = [True]
+
+        def stale_blocks(grad: torch.Tensor) -> None:  # runs after fc3's backward, before fc2's
+            if churn[0]:
+                blocks = [torch.ones(1 << 20) for _ in range(2)]
+                del blocks
+        def on_fc3_input(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+            inputs[0].register_hook(stale_blocks)
+        ddp.module.fc3.register_forward_hook(on_fc3_input)
+        counters = []
+        for step in range(3):
+            _pool_step(ddp, opt, rank, step)
+            churn[0] = False
+            counters.append(memory.grad_pool_stats())
+        return counters
+    finally:
+        torchring.shutdown()
+
+
+def test_gradient_pool_evicts_sizes_that_stop_recurring() -> None:
+    """A full cache makes room by unmapping its oldest blocks, so the gradient that comes back
+    every step stays cached (and is not mapped afresh every step)."""
+    for rank, c in enumerate(spawn(1, _pool_churn_job, env={"TORCHRING_GRAD_POOL_MB": "8"})):
+        assert c[0]["limit_bytes"] == 8 << 20 and c[0]["evicted"] > 0, f"rank {rank}: {c[0]}"
+        assert c[2]["misses"] == c[1]["misses"] and c[2]["hits"] > c[1]["hits"], (
+            f"rank {rank}: the recurring gradient was mapped afresh in step 2: {c}")
+        assert all(x["cached_bytes"] <= x["limit_bytes"] for x in c), f"rank {rank}: over limit: {c}"
 
 
 def _pool_off_job(rank: int) -> dict[str, Any]:
@@ -941,6 +1009,22 @@ def _pool_off_job(rank: int) -> dict[str, Any]:
         torchring.shutdown()
 
 
-def test_gradient_pool_can_be_turned_off() -> None:
-    stats = spawn(1, _pool_off_job, env={"TORCHRING_GRAD_POOL_MB": "0"})[0]
-    assert not stats["installed"] and stats["hits"] == stats["misses"] == 0, stats
+def _pool_bad_setting_job(rank: int) -> str:
+    import torchring
+
+    torchring.init()
+    try:
+        torchring.wrap(MLP(hidden=WIDE))
+        return "no error"
+    except ValueError as e:
+        return str(e)
+    finally:
+        torchring.shutdown()
+
+
+def test_gradient_pool_can_be_turned_off_and_checks_its_setting() -> None:
+    for off in ("0", "off"):
+        stats = spawn(1, _pool_off_job, env={"TORCHRING_GRAD_POOL_MB": off})[0]
+        assert not stats["installed"] and stats["hits"] == stats["misses"] == 0, (off, stats)
+    message = spawn(1, _pool_bad_setting_job, env={"TORCHRING_GRAD_POOL_MB": "-5"})[0]
+    assert "rank 0" in message and "TORCHRING_GRAD_POOL_MB='-5'" in message, message

@@ -3,8 +3,11 @@ without a copy, and the pool that backward's gradients are allocated from."""
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 import warnings
+import weakref
 from typing import Sequence
 
 import torch
@@ -36,32 +39,61 @@ def empty(shape: int | Sequence[int], dtype: torch.dtype = torch.float32) -> tor
 # Large CPU allocations made inside a wrapped model's backward (its fresh gradients) reuse
 # memory kept between steps instead of faulting new pages in (csrc/grad_pool.cpp).
 _POOL_SLACK = 64 << 20
-_pool_reserved = 0
+_reservations: dict[int, int] = {}  # token -> CPU gradient bytes of a live wrapped model
+_tokens = itertools.count()
 
 
-def reserve_grad_pool(grad_bytes: int) -> bool:
-    """Lets backward reuse up to grad_bytes (+64 MiB) between steps; False when the pool is off."""
-    global _pool_reserved
-    setting = os.environ.get("TORCHRING_GRAD_POOL_MB", "auto").strip().lower()
-    if setting in ("0", "off"):
-        return False
-    if setting == "auto":
-        _pool_reserved += grad_bytes
-        limit = _pool_reserved + _POOL_SLACK
-    else:
-        try:
-            limit = int(float(setting) * (1 << 20))
-        except ValueError:
-            raise ValueError(f"TORCHRING_GRAD_POOL_MB={setting!r}: expected 'auto', 0 (off) or a "
-                             "number of MiB") from None
+def _pool_setting() -> int | None:
+    """TORCHRING_GRAD_POOL_MB in bytes: None for auto, 0 for off."""
+    raw = os.environ.get("TORCHRING_GRAD_POOL_MB", "auto").strip().lower()
+    if raw == "auto":
+        return None
+    if raw == "off":
+        return 0
+    try:
+        mb = float(raw)
+    except ValueError:
+        mb = float("nan")
+    if not math.isfinite(mb) or mb < 0:
+        raise ValueError(f"rank {_context.rank()}: TORCHRING_GRAD_POOL_MB={raw!r}: expected 'auto', "
+                         "0 or 'off' (no pool), or a number of MiB")
+    return int(mb * (1 << 20))
+
+
+def _apply_pool_limit(setting: int | None) -> bool:
+    limit = sum(_reservations.values()) + _POOL_SLACK if setting is None else setting
     return bool(_build.load().grad_pool_install(limit))
 
 
-def grad_pool_active(active: bool) -> None:
-    """Routes this thread's large CPU allocations through the gradient pool (or stops)."""
-    _build.load().grad_pool_set_active(active)
+def _release_pool(token: int) -> None:
+    _reservations.pop(token, None)
+    setting = _pool_setting()
+    if setting is None and _build.load().grad_pool_stats()["installed"]:
+        _apply_pool_limit(setting)
+
+
+def reserve_grad_pool(owner: object, grad_bytes: int) -> bool:
+    """Lets backward keep up to the live wrapped models' gradient bytes + 64 MiB between steps
+    (until `owner` is collected); False when the pool is off."""
+    setting = _pool_setting()
+    if setting == 0:
+        return False
+    token = next(_tokens)
+    _reservations[token] = grad_bytes
+    weakref.finalize(owner, _release_pool, token).atexit = False
+    return _apply_pool_limit(setting)
+
+
+def grad_pool_begin() -> int:
+    """Pools the large allocations of the autograd graph task this thread runs; its id or -1."""
+    return int(_build.load().grad_pool_begin())
+
+
+def grad_pool_end(task: int) -> None:
+    """Stops pooling the allocations of graph task `task` (from grad_pool_begin)."""
+    _build.load().grad_pool_end(task)
 
 
 def grad_pool_stats() -> dict[str, int | bool]:
-    """The gradient pool's counters: hits, misses, cached/live/limit bytes, active (this thread)."""
+    """The gradient pool's counters: hits, misses, evicted, cached/live/limit bytes, active tasks."""
     return dict(_build.load().grad_pool_stats())

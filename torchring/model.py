@@ -15,8 +15,9 @@ How one synchronized step runs:
    it was (None) when no rank did. ``backward()`` returns after it.
 After the first synchronized step the buckets are rebuilt once in the order gradients
 actually became ready on rank 0, which every rank adopts. During every backward through the
-wrapper (no_sync ones too), large CPU allocations, the fresh gradients among them, come from
-torchring's gradient pool (memory.py): memory kept between steps, so no page is faulted in.
+wrapper (no_sync ones too), large CPU allocations of that backward, the fresh gradients among
+them, come from torchring's gradient pool (memory.py): memory kept between steps, so no page
+is faulted in.
 """
 
 from __future__ import annotations
@@ -65,6 +66,12 @@ class DistributedModel(nn.Module):
         self._caps = (int(first_bucket_mb * _MB), int(bucket_cap_mb * _MB))
         self._rank = _context.rank()
         self._check_module(module)
+        # Fresh CPU gradients come from memory kept between steps (no page faults); see
+        # memory.py. Before any collective, so a bad setting fails before the others wait.
+        cpu_grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters()
+                             if p.requires_grad and p.device.type == "cpu")
+        self._pool = cpu_grad_bytes > 0 and memory.reserve_grad_pool(self, cpu_grad_bytes)
+        self._pool_task = -1  # the backward (autograd graph task) whose allocations are pooled
         self._verify_and_broadcast()
         self._armed = False
         self._callback_queued = False
@@ -73,9 +80,6 @@ class DistributedModel(nn.Module):
         self._stats: list[dict[str, Any]] = []
         self._hooks: list[Any] = []
         self._setup_buckets(first=None)
-        # Fresh CPU gradients come from memory kept between steps (no page faults); see memory.py.
-        cpu_grad_bytes = sum(p.numel() * p.element_size() for p in self._params if p.device.type == "cpu")
-        self._pool = cpu_grad_bytes > 0 and memory.reserve_grad_pool(cpu_grad_bytes)
 
     # ----------------------------------------------------------------- set-up
     def _check_module(self, module: nn.Module) -> None:
@@ -155,8 +159,7 @@ class DistributedModel(nn.Module):
     # ------------------------------------------------------------ public API
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the model; arms gradient synchronization when grad is enabled."""
-        if self._pool:  # a backward that failed never reached _finalize
-            memory.grad_pool_active(False)
+        self._end_pool()  # a backward that failed never reached _finalize
         if torch.is_grad_enabled():
             sync = bool(self.require_backward_grad_sync)
             if sync and any(p.requires_grad and id(p) not in self._trainable for p in self.module.parameters()):
@@ -176,16 +179,20 @@ class DistributedModel(nn.Module):
         """A no_sync backward also takes its fresh gradients from the pool: a hook on the first
         output that needs a gradient (it fires first in backward) turns the pool on, and a
         callback at the end of that backward turns it off. No output is cloned."""
-        leaf = next((t for t in _pytree.tree_leaves(out)
-                     if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        leaf = next((t for t in _pytree.tree_leaves(out)  # not a leaf: its hook would stay
+                     if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
         if leaf is None:
             return
 
         def pool_on(grad: torch.Tensor) -> None:
-            memory.grad_pool_active(True)
-            torch.autograd.Variable._execution_engine.queue_callback(
-                lambda: memory.grad_pool_active(False))
+            task = memory.grad_pool_begin()
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: memory.grad_pool_end(task))
         leaf.register_hook(pool_on)
+
+    def _end_pool(self) -> None:
+        if self._pool_task >= 0:
+            memory.grad_pool_end(self._pool_task)
+            self._pool_task = -1
 
     def _through_sink(self, out: Any) -> Any:
         """Routes the outputs through _Sink, whose backward runs first in the outermost
@@ -276,8 +283,7 @@ class DistributedModel(nn.Module):
         finally:
             # Also after a failure, so that a rebuilt communicator starts from a clean state.
             self._callback_queued = False
-            if self._pool:
-                memory.grad_pool_active(False)
+            self._end_pool()
             self._reset_backward_state()
         if not self._rebuilt:
             self._rebuild_by_ready_order()
@@ -368,7 +374,7 @@ class _Sink(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         ctx.model._queue_finalize()
         if ctx.model._pool:  # until _finalize: the parameters' gradients come from the pool
-            memory.grad_pool_active(True)
+            ctx.model._pool_task = memory.grad_pool_begin()
         return (None, *grads)
 
 

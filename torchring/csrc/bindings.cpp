@@ -74,19 +74,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   namespace gradpool = torchring::gradpool;
   m.def("grad_pool_install", &gradpool::install, py::arg("limit_bytes"));
-  m.def("grad_pool_set_active", &gradpool::setActive, py::arg("active"));
+  m.def("grad_pool_begin", &gradpool::begin);
+  m.def("grad_pool_end", &gradpool::end, py::arg("task"));
   m.def("grad_pool_stats", [] {
     gradpool::Stats s = gradpool::stats();
     py::dict d;
     d["installed"] = gradpool::installed();
-    d["active"] = gradpool::active();  // for the calling thread
     d["hits"] = s.hits;
     d["misses"] = s.misses;
-    d["released"] = s.released;
+    d["evicted"] = s.evicted;
     d["cached_bytes"] = s.cachedBytes;
     d["live_bytes"] = s.liveBytes;
     d["limit_bytes"] = s.limitBytes;
     d["min_bytes"] = s.minBytes;
+    d["active_tasks"] = s.activeTasks;
     return d;
   });
 

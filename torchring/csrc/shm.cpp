@@ -448,6 +448,8 @@ void ShmGroup::allreduceZeroCopy(char* data, size_t count, DType dtype, ReduceOp
   std::vector<const void*> srcs(n);
   const size_t step = std::max<size_t>(1, kPushBytes / esize);
   for (size_t start = lo; start < hi; start += step) {
+    // A peer that gave up (another rank failed) may already reuse its tensor: stop writing.
+    checkAbort();
     const size_t len = std::min(step, hi - start), off = start * esize;
     for (int p = 0; p < n; ++p) srcs[p] = tensors[p] + off;
     reduceInto(data + off, peer != me ? tensors[peer] + off : nullptr, srcs.data(), n, len,
