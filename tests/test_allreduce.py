@@ -144,6 +144,16 @@ def _shm_tensor_cases(rank: int) -> list[str]:
         torchring.allreduce(t)
         want = expected_allreduce(world, 1000, torch.float32, "SUM")
         chk.equal("torchring.empty after freeing others", t, want)
+        # A forked child (a DataLoader worker) that frees its copy must leave the parent's be.
+        forked = torchring.empty((BIG,), dtype=torch.float32)
+        forked.fill_(rank + 1)
+        pid = os.fork()
+        if pid == 0:
+            del forked
+            os._exit(0)
+        os.waitpid(pid, 0)
+        chk.equal("torchring.empty after a forked child freed its copy", forked,
+                  torch.full((BIG,), float(rank + 1)))
         return chk.failures
     finally:
         torchring.shutdown()

@@ -98,7 +98,7 @@ Mapping::~Mapping() {
 }
 
 Arena::Arena(std::shared_ptr<Mapping> mapping, size_t offset, size_t bytes)
-    : mapping_(std::move(mapping)), offset_(offset), bytes_(bytes) {
+    : mapping_(std::move(mapping)), offset_(offset), bytes_(bytes), owner_(getpid()) {
   if (bytes_ > 0) free_[0] = bytes_;
 }
 
@@ -118,6 +118,7 @@ int64_t Arena::alloc(size_t bytes) {
 }
 
 void Arena::free(int64_t offset) {
+  if (getpid() != owner_) return;  // a forked child: the range is still the parent's
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = used_.find(static_cast<size_t>(offset));
   if (it == used_.end()) return;

@@ -23,7 +23,9 @@ struct Mapping {
 
 // A first-fit allocator over the arena part of this rank's segment. Pages are committed
 // with posix_fallocate when a range is handed out (so a full /dev/shm is a clean failure,
-// not a SIGBUS) and released with a hole punch when it comes back.
+// not a SIGBUS) and released with a hole punch when it comes back. Only the process that
+// created the arena gives ranges back: a forked child (a DataLoader worker) shares the
+// mapping, and its hole punch would zero the parent's live tensors.
 class Arena {
  public:
   Arena(std::shared_ptr<Mapping> mapping, size_t offset, size_t bytes);
@@ -36,6 +38,7 @@ class Arena {
  private:
   std::shared_ptr<Mapping> mapping_;
   size_t offset_, bytes_;
+  int owner_;  // pid of the creating process
   std::mutex mutex_;
   std::map<size_t, size_t> free_;  // offset -> bytes
   std::map<size_t, size_t> used_;  // offset -> bytes
