@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import dataclasses
 import io
+import weakref
 from typing import Any, Callable
 
 import pytest
@@ -926,7 +928,14 @@ def _pool_job(rank: int) -> dict[str, Any]:
         after_failure = memory.grad_pool_stats()
         big = torch.ones(1 << 20)  # after a failed backward: still torch's own allocator
         after_big = memory.grad_pool_stats()
+        grad_bytes = sum(p.numel() * 4 for p in ddp.parameters())
+        limits = [after_big["limit_bytes"]]
+        wrapper = weakref.ref(ddp)
+        del ddp, opt, failing, hook
+        gc.collect()  # the wrapped model is gone: the pool keeps only the slack
+        limits.append(memory.grad_pool_stats()["limit_bytes"])
         return dict(counters=counters, outside=_pooled_count(after_outside) - _pooled_count(before),
+                    limits=limits, grad_bytes=grad_bytes, collected=wrapper() is None,
                     outside_sum=float(outside.sum()), raised=raised,
                     after_failure=_pooled_count(after_big) - _pooled_count(after_failure),
                     big_sum=float(big.sum()), kept_intact=torch.equal(kept[0], kept_copy),
@@ -953,6 +962,10 @@ def test_gradient_pool_serves_backward_only() -> None:
             f"rank {rank}: allocations after a failed backward were pooled: {got}")
         assert got["kept_len"] == 1 and got["kept_intact"], (
             f"rank {rank}: a gradient kept from step 0 changed after later steps: {got}")
+        assert got["collected"], f"rank {rank}: a dropped wrapper was never garbage-collected"
+        slack = 64 << 20
+        assert got["limits"] == [got["grad_bytes"] + slack, slack], (
+            f"rank {rank}: the pool's limit does not follow the live wrapped models: {got['limits']}")
 
 
 def _pool_churn_job(rank: int) -> list[dict[str, Any]]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -179,7 +180,8 @@ class DistributedModel(nn.Module):
         """A no_sync backward also takes its fresh gradients from the pool: a hook on the first
         output that needs a gradient (it fires first in backward) turns the pool on, and a
         callback at the end of that backward turns it off. No output is cloned."""
-        leaf = next((t for t in _pytree.tree_leaves(out)  # not a leaf: its hook would stay
+        # A tensor with a grad_fn: a leaf (a parameter returned as is) would keep the hook.
+        leaf = next((t for t in _pytree.tree_leaves(out)
                      if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
         if leaf is None:
             return
@@ -241,10 +243,15 @@ class DistributedModel(nn.Module):
 
     # --------------------------------------------------------------- backward
     def _make_hook(self, i: int):
+        # A weak reference: torch keeps parameter hooks where the garbage collector cannot
+        # see them, so a strong one would keep a dropped wrapper (and its buckets) alive.
+        model = weakref.ref(self)
+
         def hook(p: torch.Tensor) -> None:
-            if self._armed:
+            wrapper = model()
+            if wrapper is not None and wrapper._armed:
                 with _HOOK_LOCK:
-                    self._on_grad(i, p)
+                    wrapper._on_grad(i, p)
         return hook
 
     def _on_grad(self, i: int, p: torch.Tensor) -> None:
