@@ -489,3 +489,51 @@ def _alone_job(rank: int) -> list[str]:
 def test_world1_without_env() -> None:
     failures = run_alone(_alone_job)
     assert not failures, "\n".join(failures)
+
+
+def _forked_child_job(rank: int) -> list[str]:
+    """Rank 0 forks a child that tries a collective and then exits normally (running the
+    atexit shutdown): the child gets a clear error, and the parents' job carries on."""
+    import atexit
+    import warnings
+
+    import torchring
+
+    torchring.init()
+    try:
+        chk = Checker(rank)
+        world = torchring.size()
+        if rank == 0:
+            with warnings.catch_warnings():  # Python 3.12+ warns about fork() with threads
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pid = os.fork()
+            if pid == 0:
+                try:
+                    torchring.allreduce(torch.ones(4))
+                    code = 1  # ran a collective in the child
+                except torchring.TorchringError as e:
+                    code = 0 if "forked child" in str(e) and "rank 0" in str(e) else 2
+                # What a normal exit runs (torchring.shutdown() among it), without unwinding
+                # into the test harness, whose result pipe the child shares with its parent.
+                atexit._run_exitfuncs()
+                os._exit(code)
+            _, status = os.waitpid(pid, 0)
+            chk.true("child's collective raised a clear error", os.WEXITSTATUS(status) == 0,
+                     f"child exit code {os.WEXITSTATUS(status)} (1: it ran, 2: wrong message)")
+        for n in (1000, BIG_AFTER_FORK):
+            t = rank_input(rank, world, n, torch.float32)
+            torchring.allreduce(t)
+            chk.equal(f"allreduce of {n} after a forked child exited", t,
+                      expected_allreduce(world, n, torch.float32, "SUM"))
+        return chk.failures
+    finally:
+        torchring.shutdown()
+
+
+BIG_AFTER_FORK = 3 << 18  # 3 MiB of float32: several TCP segments and staging chunks
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_forked_child_cannot_break_the_job(transport: str) -> None:
+    for failures in spawn(2, _forked_child_job, env={"TORCHRING_TRANSPORT": transport}):
+        assert failures == []

@@ -17,6 +17,7 @@ count) or a second init() in the same process never reads stale keys:
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import os
 import secrets
@@ -41,6 +42,7 @@ class _State:
     local_size: int
     transport: str
     arena_mb: int
+    pid: int = dataclasses.field(default_factory=os.getpid)  # the process that joined
 
 
 _state: _State | None = None
@@ -218,6 +220,9 @@ def shutdown() -> None:
     if _state is None:
         return
     state, _state = _state, None
+    if state.pid != os.getpid():  # a forked child's copy: the parent's job, not its own
+        state.comm.shutdown()  # the engine keeps it, closing and aborting nothing
+        return
     cuda.teardown()
     state.comm.shutdown()
 

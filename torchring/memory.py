@@ -30,7 +30,8 @@ def empty(shape: int | Sequence[int], dtype: torch.dtype = torch.float32) -> tor
     if comm.has_shm and _context.arena_mb() > 0 and not _warned:
         _warned = True
         warnings.warn("torchring.empty: the shared-memory arena is full or /dev/shm has no room "
-                      "left (TORCHRING_SHM_ARENA_MB); using regular memory, which costs one copy "
+                      "left (TORCHRING_SHM_ARENA_MB), or this is a forked child process, which "
+                      "cannot use its rank's arena; using regular memory, which costs one copy "
                       "per allreduce", RuntimeWarning, stacklevel=2)
     return torch.empty(sizes, dtype=dtype)
 
@@ -61,7 +62,10 @@ def _pool_setting() -> int | None:
 
 
 def _apply_pool_limit(setting: int | None) -> bool:
-    limit = sum(_reservations.values()) + _POOL_SLACK if setting is None else setting
+    if setting is None:  # auto: nothing is kept once no wrapped model is left
+        limit = sum(_reservations.values()) + _POOL_SLACK if _reservations else 0
+    else:
+        limit = setting
     return bool(_build.load().grad_pool_install(limit))
 
 

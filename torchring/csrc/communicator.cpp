@@ -1,5 +1,7 @@
 #include "communicator.h"
 
+#include <unistd.h>
+
 #include <cstring>
 #include <sstream>
 
@@ -61,7 +63,7 @@ void Work::finish(at::Tensor result, std::string error) {
   cv_.notify_all();
 }
 
-Communicator::Communicator(CommOptions options) : opt_(std::move(options)) {
+Communicator::Communicator(CommOptions options) : opt_(std::move(options)), ownerPid_(getpid()) {
   rankHost_.assign(opt_.size, -1);
   rankLocal_.assign(opt_.size, -1);
   for (size_t h = 0; h < opt_.hosts.size(); ++h) {
@@ -157,6 +159,21 @@ std::string Communicator::explainPeer(int peer, const std::string& message) {
 }
 
 void Communicator::shutdown() {
+  if (getpid() != ownerPid_) {
+    // A forked child's copy: it has no worker thread and shares the parent's sockets and
+    // shared memory, so closing or aborting anything would break the parent's job, and
+    // destroying its mutex and condition variable (a parent thread may have waited on them
+    // at fork time) can block forever. Keep the object for the rest of the child's life.
+    static auto* forked = new std::vector<std::shared_ptr<Communicator>>();
+    try {
+      forked->push_back(shared_from_this());
+    } catch (const std::bad_weak_ptr&) {  // already being destroyed: touch the least we can
+      new (&worker_) std::thread();
+      (void)tcp_.release();
+      (void)shm_.release();
+    }
+    return;
+  }
   std::deque<Op> dropped;
   bool inFlight = false;
   {
@@ -228,6 +245,13 @@ std::shared_ptr<Work> Communicator::submitCheck(OpKind kind, const at::Tensor& l
 
 std::shared_ptr<Work> Communicator::enqueue(Op item, bool runInline) {
   const auto kind = static_cast<OpKind>(item.header.kind);
+  if (getpid() != ownerPid_) {
+    throw TorchringError("rank " + std::to_string(opt_.rank) + ": " + kindName(kind) +
+                         " called in a forked child process (pid " + std::to_string(getpid()) +
+                         ") of that rank: collectives run only in the process that called "
+                         "torchring.init(); run them in the main process, not in DataLoader "
+                         "workers or other forks");
+  }
   std::unique_lock<std::mutex> lock(mutex_);
   item.header.seq = nextSeq_++;
   item.work = std::make_shared<Work>(kind, item.header.seq, opt_.rank);

@@ -62,7 +62,7 @@ struct FailureBoard {
   std::function<std::string(int rank)> read;  // "" when the rank posted nothing
 };
 
-class Communicator {
+class Communicator : public std::enable_shared_from_this<Communicator> {
  public:
   explicit Communicator(CommOptions options);
   ~Communicator();
@@ -120,6 +120,7 @@ class Communicator {
   std::string explainPeer(int peer, const std::string& message);
 
   CommOptions opt_;
+  int ownerPid_;  // the process that created it; a forked child's copy never runs or closes
   int hostIndex_ = 0, localIndex_ = 0;
   std::vector<int> rankHost_, rankLocal_;
   std::unique_ptr<ShmGroup> shm_;

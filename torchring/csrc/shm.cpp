@@ -103,6 +103,7 @@ Arena::Arena(std::shared_ptr<Mapping> mapping, size_t offset, size_t bytes)
 }
 
 int64_t Arena::alloc(size_t bytes) {
+  if (getpid() != owner_) return -1;  // a forked child: its copy of the free list is stale
   size_t want = roundUp(std::max<size_t>(bytes, 1), kPage);
   std::lock_guard<std::mutex> lock(mutex_);
   for (auto it = free_.begin(); it != free_.end(); ++it) {

@@ -24,8 +24,9 @@ struct Mapping {
 // A first-fit allocator over the arena part of this rank's segment. Pages are committed
 // with posix_fallocate when a range is handed out (so a full /dev/shm is a clean failure,
 // not a SIGBUS) and released with a hole punch when it comes back. Only the process that
-// created the arena gives ranges back: a forked child (a DataLoader worker) shares the
-// mapping, and its hole punch would zero the parent's live tensors.
+// created the arena hands ranges out and takes them back: a forked child (a DataLoader
+// worker) shares the mapping, so its hole punch would zero the parent's live tensors and
+// its stale copy of the free list would hand out ranges the parent uses.
 class Arena {
  public:
   Arena(std::shared_ptr<Mapping> mapping, size_t offset, size_t bytes);
