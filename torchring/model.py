@@ -79,7 +79,8 @@ class DistributedModel(nn.Module):
         self._ready_order: list[str] = []  # names, in the order gradients arrived (first step)
         self._rebuilt = False
         self._stats: list[dict[str, Any]] = []
-        self._hooks: list[Any] = []
+        self._hooks: list[Any] = []  # one list, filled in place: the finalizer below holds it
+        weakref.finalize(self, _remove_hooks, self._hooks).atexit = False
         self._setup_buckets(first=None)
 
     # ----------------------------------------------------------------- set-up
@@ -133,8 +134,7 @@ class DistributedModel(nn.Module):
     def _setup_buckets(self, first: list[str] | None) -> None:
         """Buckets for the trainable parameters: those named in `first` in that order, then
         the rest in reverse registration order."""
-        for hook in self._hooks:
-            hook.remove()
+        _remove_hooks(self._hooks)
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
@@ -153,14 +153,17 @@ class DistributedModel(nn.Module):
                 self._slot[i] = (bucket, j)
         self._used = torch.zeros(len(self._params), dtype=torch.uint8)
         self._next_bucket = 0
-        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
-                       for i, p in enumerate(self._params)]
+        self._hooks.extend(p.register_post_accumulate_grad_hook(self._make_hook(i))
+                           for i, p in enumerate(self._params))
         self._trainable = {id(p) for p in self._params}
 
     # ------------------------------------------------------------ public API
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the model; arms gradient synchronization when grad is enabled."""
-        self._end_pool()  # a backward that failed never reached _finalize
+        if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward
+            self._end_pool()  # a backward that failed never reached _finalize
+            if self._callback_queued:
+                self._unfinished_backward()
         if torch.is_grad_enabled():
             sync = bool(self.require_backward_grad_sync)
             if sync and any(p.requires_grad and id(p) not in self._trainable for p in self.module.parameters()):
@@ -186,10 +189,33 @@ class DistributedModel(nn.Module):
         if leaf is None:
             return
 
+        model = weakref.ref(self)  # the output may outlive the wrapper
+
         def pool_on(grad: torch.Tensor) -> None:
-            task = memory.grad_pool_begin()
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: memory.grad_pool_end(task))
+            wrapper = model()
+            if wrapper is not None:  # the next forward ends the task if this backward fails
+                wrapper._pool_task = memory.grad_pool_begin()
+                torch.autograd.Variable._execution_engine.queue_callback(wrapper._end_pool)
         leaf.register_hook(pool_on)
+
+    def _unfinished_backward(self) -> None:
+        """The last synchronized backward raised before its end-of-backward sync ran: waits for
+        the buckets it launched, resets the per-backward state and raises, since ranks may now
+        disagree on the next collective."""
+        launched = self._next_bucket
+        for bucket in self._buckets[:launched]:  # they still write into the buckets
+            try:
+                bucket.handle.wait()
+            except Exception:  # noqa: BLE001 - reported below, with what to do
+                pass
+        self._callback_queued = False
+        self._reset_backward_state()
+        raise TorchringError(
+            f"rank {self._rank}: torchring.wrap: the previous backward raised before its gradients "
+            f"were averaged ({launched} of {len(self._buckets)} buckets were launched), so the ranks "
+            "may now disagree on which collective comes next. If every rank failed the same way, "
+            "the next forward runs normally; otherwise call torchring.shutdown() and "
+            "torchring.init() on every rank (or restart the job)")
 
     def _end_pool(self) -> None:
         if self._pool_task >= 0:
@@ -383,6 +409,13 @@ class _Sink(torch.autograd.Function):
         if ctx.model._pool:  # until _finalize: the parameters' gradients come from the pool
             ctx.model._pool_task = memory.grad_pool_begin()
         return (None, *grads)
+
+
+def _remove_hooks(hooks: list[Any]) -> None:
+    """Removes a wrapper's parameter hooks (on re-bucketing, and when it is collected)."""
+    for hook in hooks:
+        hook.remove()
+    hooks.clear()
 
 
 def _broadcast_coalesced(tensors: list[torch.Tensor], src: int = 0) -> None:
