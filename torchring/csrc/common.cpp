@@ -1,5 +1,9 @@
 #include "common.h"
 
+#include <pthread.h>
+
+#include <atomic>
+
 #include <sstream>
 
 namespace torchring {
@@ -75,5 +79,12 @@ bool OpHeader::matches(const OpHeader& o) const {
       return dtype == o.dtype && count == o.count && op == o.op && shapeHash == o.shapeHash;
   }
 }
+
+namespace {
+std::atomic<uint64_t> forks{0};
+const int forkCounter = pthread_atfork(nullptr, nullptr, [] { forks.fetch_add(1); });
+}  // namespace
+
+uint64_t forkGeneration() { return forks.load(std::memory_order_relaxed); }
 
 }  // namespace torchring

@@ -52,6 +52,12 @@ struct OpHeader {
   bool matches(const OpHeader& other) const;
 };
 
+// How many fork()s separate this process from the one the engine was loaded in (0 there,
+// 1 in a forked child, ...). An object records it when created; a different value later
+// means the caller is a forked child holding a copy (it shares the parent's sockets and
+// shared memory, and has none of its threads), found without a system call.
+uint64_t forkGeneration();
+
 using Clock = std::chrono::steady_clock;
 
 inline double secondsSince(Clock::time_point start) {

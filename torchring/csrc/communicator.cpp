@@ -63,7 +63,8 @@ void Work::finish(at::Tensor result, std::string error) {
   cv_.notify_all();
 }
 
-Communicator::Communicator(CommOptions options) : opt_(std::move(options)), ownerPid_(getpid()) {
+Communicator::Communicator(CommOptions options)
+    : opt_(std::move(options)), forkGeneration_(forkGeneration()) {
   rankHost_.assign(opt_.size, -1);
   rankLocal_.assign(opt_.size, -1);
   for (size_t h = 0; h < opt_.hosts.size(); ++h) {
@@ -159,7 +160,7 @@ std::string Communicator::explainPeer(int peer, const std::string& message) {
 }
 
 void Communicator::shutdown() {
-  if (getpid() != ownerPid_) {
+  if (forkGeneration() != forkGeneration_) {
     // A forked child's copy: it has no worker thread and shares the parent's sockets and
     // shared memory, so closing or aborting anything would break the parent's job, and
     // destroying its mutex and condition variable (a parent thread may have waited on them
@@ -245,7 +246,7 @@ std::shared_ptr<Work> Communicator::submitCheck(OpKind kind, const at::Tensor& l
 
 std::shared_ptr<Work> Communicator::enqueue(Op item, bool runInline) {
   const auto kind = static_cast<OpKind>(item.header.kind);
-  if (getpid() != ownerPid_) {
+  if (forkGeneration() != forkGeneration_) {
     throw TorchringError("rank " + std::to_string(opt_.rank) + ": " + kindName(kind) +
                          " called in a forked child process (pid " + std::to_string(getpid()) +
                          ") of that rank: collectives run only in the process that called "

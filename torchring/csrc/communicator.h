@@ -120,7 +120,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   std::string explainPeer(int peer, const std::string& message);
 
   CommOptions opt_;
-  int ownerPid_;  // the process that created it; a forked child's copy never runs or closes
+  uint64_t forkGeneration_;  // at creation; a forked child's copy never runs or closes
   int hostIndex_ = 0, localIndex_ = 0;
   std::vector<int> rankHost_, rankLocal_;
   std::unique_ptr<ShmGroup> shm_;

@@ -98,12 +98,12 @@ Mapping::~Mapping() {
 }
 
 Arena::Arena(std::shared_ptr<Mapping> mapping, size_t offset, size_t bytes)
-    : mapping_(std::move(mapping)), offset_(offset), bytes_(bytes), owner_(getpid()) {
+    : mapping_(std::move(mapping)), offset_(offset), bytes_(bytes), forkGeneration_(forkGeneration()) {
   if (bytes_ > 0) free_[0] = bytes_;
 }
 
 int64_t Arena::alloc(size_t bytes) {
-  if (getpid() != owner_) return -1;  // a forked child: its copy of the free list is stale
+  if (forkGeneration() != forkGeneration_) return -1;  // a forked child: a stale free list
   size_t want = roundUp(std::max<size_t>(bytes, 1), kPage);
   std::lock_guard<std::mutex> lock(mutex_);
   for (auto it = free_.begin(); it != free_.end(); ++it) {
@@ -119,7 +119,7 @@ int64_t Arena::alloc(size_t bytes) {
 }
 
 void Arena::free(int64_t offset) {
-  if (getpid() != owner_) return;  // a forked child: the range is still the parent's
+  if (forkGeneration() != forkGeneration_) return;  // a forked child: still the parent's
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = used_.find(static_cast<size_t>(offset));
   if (it == used_.end()) return;

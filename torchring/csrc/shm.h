@@ -39,7 +39,7 @@ class Arena {
  private:
   std::shared_ptr<Mapping> mapping_;
   size_t offset_, bytes_;
-  int owner_;  // pid of the creating process
+  uint64_t forkGeneration_;  // at creation (see forkGeneration())
   std::mutex mutex_;
   std::map<size_t, size_t> free_;  // offset -> bytes
   std::map<size_t, size_t> used_;  // offset -> bytes
