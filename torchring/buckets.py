@@ -12,11 +12,13 @@ also the order they are launched in on every rank.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from . import memory
+
+__all__ = ["Bucket", "assign", "build", "grad_view", "adopt_grad"]
 
 
 @dataclass
@@ -26,7 +28,7 @@ class Bucket:
     index: int
     params: list[torch.nn.Parameter]
     names: list[str]
-    slots: list[int]                 # positions of the params in the wrapper's param list
+    slots: list[int]                 # positions of the params in the Reducer's param list
     buffer: torch.Tensor             # flat gradients; shared memory when on CPU
     views: list[torch.Tensor]        # per param: shaped and strided like the param
     wire: torch.Tensor | None = None  # compressed copy sent instead of `buffer`
@@ -99,14 +101,18 @@ def adopt_grad(p: torch.Tensor, view: torch.Tensor) -> None:
 
 
 def build(params: list[torch.nn.Parameter], names: list[str], order: list[int],
-          first_cap: int, cap: int, compression: torch.dtype | None) -> list[Bucket]:
-    """Allocates the buckets for `params` and moves existing gradients into them."""
+          first_cap: int, cap: int, compression: torch.dtype | None,
+          allocate: Callable[[int, torch.dtype, torch.device], torch.Tensor] | None = None,
+          ) -> list[Bucket]:
+    """Allocates the buckets for `params` (with `allocate`, default: shared memory on the CPU)
+    and moves existing gradients into them."""
+    allocate = allocate or _flat
     sizes = [(p.numel() * p.element_size(), p.device, p.dtype) for p in params]
     buckets = []
     for index, group in enumerate(assign(sizes, order, first_cap, cap)):
         dtype, device = params[group[0]].dtype, params[group[0]].device
         total = sum(params[i].numel() for i in group)
-        buffer = _flat(total, dtype, device)
+        buffer = allocate(total, dtype, device)
         buffer.zero_()
         views, offset = [], 0
         for i in group:
@@ -117,7 +123,7 @@ def build(params: list[torch.nn.Parameter], names: list[str], order: list[int],
             offset += p.numel()
         wire = None
         if compression is not None and dtype.is_floating_point and dtype != compression:
-            wire = _flat(total, compression, device)
+            wire = allocate(total, compression, device)
         buckets.append(Bucket(index, [params[i] for i in group], [names[i] for i in group],
                               list(group), buffer, views, wire, pending=len(group),
                               fired=[False] * len(group)))

@@ -3,28 +3,32 @@
 How one synchronized step runs:
 1. forward (grad enabled, not in ``no_sync``) arms the hooks and, in training mode,
    broadcasts the buffers (BatchNorm statistics) from rank 0;
-2. in backward, each parameter's post-accumulate-grad hook moves its gradient into its
-   bucket (``.grad`` becomes a view of the bucket, so later steps accumulate in place and
-   need no copy) and counts the bucket down; a bucket whose gradients have all arrived is
-   launched as an async AVG allreduce as soon as every earlier bucket was launched, so
-   every rank issues the same collectives in the same order;
-3. an end-of-backward callback launches what is left (a parameter this rank did not use
-   contributes its accumulated gradient or zeros), allreduces a used-flag per parameter
-   (MAX; a parameter holding a gradient from no_sync steps counts as used), waits for every
-   bucket and settles each parameter's ``.grad``: averaged when any rank used it, left as
-   it was (None) when no rank did. ``backward()`` returns after it.
+2. in backward, each parameter's post-accumulate-grad hook calls the Reducer's
+   ``mark_ready(i)`` (reducer.py): the gradient moves into its bucket (``.grad`` becomes a view
+   of the bucket, so later steps accumulate in place and need no copy), the bucket counts down,
+   and a bucket whose gradients have all arrived is launched as an async AVG allreduce as soon
+   as every earlier bucket was launched, so every rank issues the same collectives in the same
+   order;
+3. an end-of-backward callback calls the Reducer's ``finalize()``: it launches what is left (a
+   parameter this rank did not use contributes its accumulated gradient or zeros), allreduces
+   a used-flag per parameter (MAX; a parameter holding a gradient from no_sync steps counts as
+   used), waits for every bucket and settles each parameter's ``.grad``: averaged when any rank
+   used it, left as it was (None) when no rank did. ``backward()`` returns after it.
 After the first synchronized step the buckets are rebuilt once in the order gradients
 actually became ready on rank 0, which every rank adopts. During every backward through the
 wrapper (no_sync ones too), large CPU allocations of that backward, the fresh gradients among
 them, come from torchring's gradient pool (memory.py): memory kept between steps, so no page
 is faulted in.
+
+This module is the torch integration: forward arming, the output sink, the parameter hooks,
+autograd callbacks, gradient-pool scoping, the cross-rank consistency check and buffer
+broadcasts. The bucket layout and each sync's state machine live in the Reducer.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-import time
 import weakref
 from typing import Any, Iterator
 
@@ -33,8 +37,11 @@ from torch import nn
 
 from torch.utils import _pytree
 
-from . import _context, buckets as bucketing, collectives, cuda, memory
+from . import _context, collectives, cuda, memory
 from ._errors import TorchringError
+from .reducer import Reducer
+
+__all__ = ["DistributedModel", "wrap"]
 
 _MB = 1 << 20
 # Autograd runs a model's CUDA part on a device thread and its CPU part on the caller's: the
@@ -76,12 +83,10 @@ class DistributedModel(nn.Module):
         self._verify_and_broadcast()
         self._armed = False
         self._callback_queued = False
-        self._ready_order: list[str] = []  # names, in the order gradients arrived (first step)
-        self._rebuilt = False
-        self._stats: list[dict[str, Any]] = []
         self._hooks: list[Any] = []  # one list, filled in place: the finalizer below holds it
         weakref.finalize(self, _remove_hooks, self._hooks).atexit = False
-        self._setup_buckets(first=None)
+        self._reducer: Reducer
+        self._setup_buckets(rebuild_by_ready_order=False)
 
     # ----------------------------------------------------------------- set-up
     def _check_module(self, module: nn.Module) -> None:
@@ -91,7 +96,7 @@ class DistributedModel(nn.Module):
                 raise ValueError(f"{where}: '{name}' has sparse=True; sparse gradients are not "
                                  "supported, construct it with sparse=False")
         for name, t in list(module.named_parameters()) + list(module.named_buffers()):
-            if t.dtype not in collectives._DTYPES:
+            if t.dtype not in collectives.DTYPES:
                 raise TypeError(f"{where}: '{name}' has dtype {t.dtype}, which torchring cannot "
                                 "communicate; use float32/64, float16, bfloat16 or an 8-64 bit integer")
         for name, p in module.named_parameters():
@@ -131,38 +136,30 @@ class DistributedModel(nn.Module):
             _broadcast_coalesced([p.data for p in self.module.parameters()])
             _broadcast_coalesced([b for b in self.module.buffers()])
 
-    def _setup_buckets(self, first: list[str] | None) -> None:
-        """Buckets for the trainable parameters: those named in `first` in that order, then
-        the rest in reverse registration order."""
-        _remove_hooks(self._hooks)
+    def _setup_buckets(self, rebuild_by_ready_order: bool) -> None:
+        """A Reducer over the parameters trainable now (in reverse registration order), or,
+        with `rebuild_by_ready_order`, the current one re-laid in rank 0's first ready order
+        (once; a collective); then one hook per parameter."""
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
-        self._names = [n for n, _ in named]
-        self._params = [p for _, p in named]
+        params, names = [p for _, p in named], [n for n, _ in named]
+        if rebuild_by_ready_order:  # parameters frozen since wrap() leave the buckets
+            self._reducer.rebuild_by_ready_order(params, names)
+        else:
+            self._reducer = Reducer(params, names, first_bucket_cap_bytes=self._caps[0],
+                                    bucket_cap_bytes=self._caps[1], compression=self._compression,
+                                    rank=self._rank)
+        _remove_hooks(self._hooks)
         self._all_params = list(self.module.parameters())
-        position = {n: i for i, n in enumerate(self._names)}
-        # dict.fromkeys: a name given twice (an order recorded over a backward that failed
-        # and was retried) must not put one parameter in two buckets.
-        order = list(dict.fromkeys(position[n] for n in (first or []) if n in position))
-        placed = set(order)
-        order += [i for i in reversed(range(len(self._params))) if i not in placed]
-        self._buckets = bucketing.build(self._params, self._names, order, *self._caps,
-                                        self._compression)
-        self._slot: dict[int, tuple[bucketing.Bucket, int]] = {}
-        for bucket in self._buckets:
-            for j, i in enumerate(bucket.slots):
-                self._slot[i] = (bucket, j)
-        self._used = torch.zeros(len(self._params), dtype=torch.uint8)
-        self._next_bucket = 0
         self._hooks.extend(p.register_post_accumulate_grad_hook(self._make_hook(i))
-                           for i, p in enumerate(self._params))
-        self._trainable = {id(p) for p in self._params}
+                           for i, p in enumerate(params))
+        self._trainable = {id(p) for p in params}
 
     # ------------------------------------------------------------ public API
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the model; arms gradient synchronization when grad is enabled."""
         if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward
             self._end_pool()  # a backward that failed never reached _finalize
-            if self._callback_queued:
+            if self._callback_queued or self._reducer.in_progress:
                 self._unfinished_backward()
         if torch.is_grad_enabled():
             sync = bool(self.require_backward_grad_sync)
@@ -202,17 +199,11 @@ class DistributedModel(nn.Module):
         """The last synchronized backward raised before its end-of-backward sync ran: waits for
         the buckets it launched, resets the per-backward state and raises, since ranks may now
         disagree on the next collective."""
-        launched = self._next_bucket
-        for bucket in self._buckets[:launched]:  # they still write into the buckets
-            try:
-                bucket.handle.wait()
-            except Exception:  # noqa: BLE001 - reported below, with what to do
-                pass
+        launched = self._reducer.recover()  # waits for what it launched: they write into buckets
         self._callback_queued = False
-        self._reset_backward_state()
         raise TorchringError(
             f"rank {self._rank}: torchring.wrap: the previous backward raised before its gradients "
-            f"were averaged ({launched} of {len(self._buckets)} buckets were launched), so the ranks "
+            f"were averaged ({launched} of {self._reducer.num_buckets} buckets were launched), so the ranks "
             "may now disagree on which collective comes next. If every rank failed the same way, "
             "the next forward runs normally; otherwise call torchring.shutdown() and "
             "torchring.init() on every rank (or restart the job)")
@@ -251,7 +242,7 @@ class DistributedModel(nn.Module):
 
     def bucket_stats(self) -> list[dict[str, Any]]:
         """Per bucket of the last synchronized backward: bytes, params, launch lead and wait."""
-        return [dict(s) for s in self._stats]
+        return self._reducer.bucket_stats()
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped model's state_dict, with the same keys as the unwrapped model."""
@@ -277,98 +268,21 @@ class DistributedModel(nn.Module):
             wrapper = model()
             if wrapper is not None and wrapper._armed:
                 with _HOOK_LOCK:
-                    wrapper._on_grad(i, p)
+                    wrapper._reducer.mark_ready(i)
+                    if not wrapper._callback_queued:  # usually queued by _Sink already (outputs
+                        wrapper._queue_finalize()     # that did not pass it)
         return hook
-
-    def _on_grad(self, i: int, p: torch.Tensor) -> None:
-        bucket, j = self._slot[i]
-        if bucket.fired[j]:
-            return
-        if p.grad is None:
-            raise RuntimeError(f"rank {self._rank}: torchring.wrap: '{self._names[i]}'.grad is None in "
-                               "its post-accumulate-grad hook: another hook cleared it (optimizer in "
-                               "backward?); gradients must stay until backward returns")
-        bucketing.adopt_grad(p, bucket.views[j])
-        bucket.fired[j] = True
-        self._used[i] = 1
-        self._queue_finalize()  # usually done already by _Sink (outputs that did not pass it)
-        if not self._rebuilt:
-            self._ready_order.append(self._names[i])
-        bucket.pending -= 1
-        if bucket.pending == 0:
-            self._launch_ready()
-
-    def _launch_ready(self) -> None:
-        while self._next_bucket < len(self._buckets) and self._buckets[self._next_bucket].pending == 0:
-            bucket = self._buckets[self._next_bucket]
-            self._next_bucket += 1
-            send = bucket.buffer
-            if bucket.wire is not None:
-                bucket.wire.copy_(bucket.buffer)
-                send = bucket.wire
-            bucket.launched_at = time.perf_counter()
-            bucket.handle = collectives.allreduce_async(send, collectives.ReduceOp.AVG)
 
     def _finalize(self) -> None:
         try:
-            with torch.no_grad(), _HOOK_LOCK:  # bucket copies must never record autograd history
-                self._settle()
+            with _HOOK_LOCK:
+                self._reducer.finalize()
         finally:
             # Also after a failure, so that a rebuilt communicator starts from a clean state.
             self._callback_queued = False
             self._end_pool()
-            self._reset_backward_state()
-        if not self._rebuilt:
-            self._rebuild_by_ready_order()
-
-    def _settle(self) -> None:
-        """Launches what is left, waits for every bucket and settles each parameter's .grad."""
-        backward_end = time.perf_counter()
-        was_none: list[tuple[int, torch.nn.Parameter]] = []
-        for bucket in self._buckets[self._next_bucket:]:
-            for j, p in enumerate(bucket.params):
-                if bucket.fired[j]:
-                    continue
-                view = bucket.views[j]
-                if p.grad is None:
-                    view.zero_()
-                    was_none.append((bucket.slots[j], p))
-                    continue
-                # Not used in this backward, but it holds a gradient (from no_sync steps, or
-                # set by the user): that counts as used, as in DDP's no_sync session.
-                self._used[bucket.slots[j]] = 1
-                bucketing.adopt_grad(p, view)
-            bucket.pending = 0
-        self._launch_ready()
-        used = collectives.allreduce_async(self._used, collectives.ReduceOp.MAX)
-        for bucket in self._buckets:
-            start = time.perf_counter()
-            bucket.handle.wait()
-            bucket.waited = time.perf_counter() - start
-            if bucket.wire is not None:
-                bucket.buffer.copy_(bucket.wire)
-        used.wait()
-        for i, p in was_none:
-            if self._used[i]:
-                bucket, j = self._slot[i]
-                p.grad = bucket.views[j]
-        self._stats = [dict(bucket=b.index, bytes=b.nbytes, params=len(b.params),
-                            launch_before_backward_end_ms=(backward_end - b.launched_at) * 1e3,
-                            wait_ms=b.waited * 1e3) for b in self._buckets]
-
-    def _reset_backward_state(self) -> None:
-        for bucket in self._buckets:
-            bucket.pending = len(bucket.params)
-            bucket.fired = [False] * len(bucket.params)
-            bucket.handle = None
-        self._used.zero_()
-        self._next_bucket = 0
-
-    def _rebuild_by_ready_order(self) -> None:
-        """Adopts rank 0's gradient-ready order for the bucket layout, once."""
-        mine, self._ready_order, self._rebuilt = self._ready_order, [], True
-        order = collectives.broadcast_object(mine, src=0)
-        self._setup_buckets(order)
+        if not self._reducer.rebuilt:
+            self._setup_buckets(rebuild_by_ready_order=True)
 
     def _retrain_new_parameters(self) -> None:
         """Parameters that became trainable, or were added, after wrap(): every rank checks the
@@ -387,9 +301,7 @@ class DistributedModel(nn.Module):
         if added:  # new parameters (a replaced head): every rank starts from rank 0's values
             with torch.no_grad():
                 _broadcast_coalesced([p.data for p in added])
-        self._rebuilt = False
-        self._ready_order = []
-        self._setup_buckets(first=None)
+        self._setup_buckets(rebuild_by_ready_order=False)
 
 
 class _Sink(torch.autograd.Function):
@@ -399,7 +311,7 @@ class _Sink(torch.autograd.Function):
     first, still gets one sync per backward. Outputs are cloned so callers may modify them."""
 
     @staticmethod
-    def forward(ctx: Any, model: "DistributedModel", *tensors: torch.Tensor) -> Any:
+    def forward(ctx: Any, model: DistributedModel, *tensors: torch.Tensor) -> Any:
         ctx.model = model
         return tuple(t.clone() for t in tensors)
 
