@@ -1,0 +1,172 @@
+"""torchring's settings: the TORCHRING_* environment variables, parsed and checked in one place.
+
+``Settings.from_env(env)`` is a pure function of a dict; ``torchring.init()`` calls it once and
+keeps the result (``_context.settings()``), and every module reads that object. The table
+below mirrors the README's configuration table. An empty value counts as unset. A value
+that does not parse, or lies outside its range, raises ValueError in one shape: the name,
+the value received, what is allowed, and what to do, e.g.
+
+    TORCHRING_SHM_CHUNK_KB='abc': expected an integer number of KiB in [4, 1048576]; unset it
+    for the default 1024
+
+The launcher's variables (RANK, WORLD_SIZE, MASTER_ADDR, SLURM_*, ...) are read by
+``_env.detect``, not here; TORCHRING_JOB_ID is here and overrides the launcher's job id.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+_WEEK = 7 * 24 * 3600
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every TORCHRING_* setting; None means 'decided at init()' (see each field)."""
+
+    timeout: float = 300.0           # TORCHRING_TIMEOUT, seconds without progress before failing
+    transport: str = "auto"          # TORCHRING_TRANSPORT: auto, shm or tcp
+    hostname: str | None = None      # TORCHRING_HOSTNAME: None = socket.gethostname()
+    addr: str | None = None          # TORCHRING_ADDR: None = the local address routing to MASTER_ADDR
+    bind_addr: str | None = None     # TORCHRING_BIND_ADDR: None = loopback for a loopback addr, else all
+    shm_chunk_kb: int = 1024         # TORCHRING_SHM_CHUNK_KB
+    shm_arena_mb: int = 2048         # TORCHRING_SHM_ARENA_MB (0: torchring.empty uses plain memory)
+    spin: int | None = None          # TORCHRING_SPIN: None = 20000, or 200 when ranks outnumber cores
+    grad_pool_mb: float | None = None  # TORCHRING_GRAD_POOL_MB: None = auto, 0 = off
+    cache_dir: str = dataclasses.field(default_factory=lambda: str(cache_dir({})))  # TORCHRING_CACHE_DIR
+    cuda_path: str = "auto"          # TORCHRING_CUDA_PATH: auto, nccl, staged or off
+    device: int | None = None        # TORCHRING_DEVICE: None = torch's current device, else local rank
+    job_id: str | None = None        # TORCHRING_JOB_ID: None = the launcher's run id
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> Settings:
+        """Parses and checks every variable of `env` (a dict such as os.environ)."""
+        values: dict[str, Any] = {}
+        for var in _VARIABLES:
+            raw = env.get(var.name, "").strip()
+            if raw:
+                values[var.field] = var.parse(var.name, raw, var.default)
+        values["cache_dir"] = str(cache_dir(env))  # with XDG_CACHE_HOME and HOME from env
+        return cls(**values)
+
+    def spin_iters(self, ranks_here: int, cpus: int) -> int:
+        """Busy-wait iterations: TORCHRING_SPIN, else 20000, or 200 when this host's ranks
+        outnumber its CPUs (spinning would then steal the CPU the awaited rank needs)."""
+        if self.spin is not None:
+            return self.spin
+        return 20000 if ranks_here <= cpus else 200
+
+
+def cache_dir(env: Mapping[str, str]) -> Path:
+    """Where engine builds are cached: TORCHRING_CACHE_DIR, else $XDG_CACHE_HOME/torchring,
+    else ~/.cache/torchring (needed before init(): the build runs first)."""
+    explicit = env.get("TORCHRING_CACHE_DIR", "").strip()
+    if explicit:
+        return Path(_home(explicit, env))
+    xdg = env.get("XDG_CACHE_HOME", "").strip()
+    return Path(_home(xdg, env)) / "torchring" if xdg else Path(_home("~/.cache/torchring", env))
+
+
+def _home(path: str, env: Mapping[str, str]) -> str:
+    """`path` with a leading ~ replaced by env's HOME (the process's home if env has none)."""
+    if path == "~" or path.startswith("~/"):
+        return (env.get("HOME") or os.path.expanduser("~")) + path[1:]
+    return os.path.expanduser(path)  # ~user/...
+
+
+def _fail(name: str, raw: str, expected: str, default: str) -> ValueError:
+    return ValueError(f"{name}={raw!r}: expected {expected}; unset it for the default {default}")
+
+
+def _integer(lo: int, hi: int, unit: str) -> Callable[[str, str, str], int]:
+    def parse(name: str, raw: str, default: str) -> int:
+        expected = f"an integer {unit} in [{lo}, {hi}]"
+        try:
+            value = int(raw)
+        except ValueError:
+            raise _fail(name, raw, expected, default) from None
+        if not lo <= value <= hi:
+            raise _fail(name, raw, expected, default)
+        return value
+    return parse
+
+
+def _seconds(name: str, raw: str, default: str) -> float:
+    expected = f"a number of seconds > 0 and at most {_WEEK} (a week)"
+    try:
+        value = float(raw)
+    except ValueError:
+        raise _fail(name, raw, expected, default) from None
+    if not (math.isfinite(value) and 0 < value <= _WEEK):
+        raise _fail(name, raw, expected, default)
+    return value
+
+
+def _pool_mb(name: str, raw: str, default: str) -> float | None:
+    lowered = raw.lower()
+    if lowered == "auto":
+        return None
+    if lowered == "off":
+        return 0.0
+    expected = "'auto', 'off' or 0 (no pool), or a number of MiB in [0, 1048576]"
+    try:
+        value = float(lowered)
+    except ValueError:
+        raise _fail(name, raw, expected, default) from None
+    if not (math.isfinite(value) and 0 <= value <= 1 << 20):
+        raise _fail(name, raw, expected, default)
+    return value
+
+
+def _choice(*choices: str) -> Callable[[str, str, str], str]:
+    def parse(name: str, raw: str, default: str) -> str:
+        value = raw.lower()
+        if value not in choices:
+            raise _fail(name, raw, "one of " + ", ".join(choices), default)
+        return value
+    return parse
+
+
+def _word(what: str) -> Callable[[str, str, str], str]:
+    def parse(name: str, raw: str, default: str) -> str:
+        if any(c.isspace() for c in raw):
+            raise _fail(name, raw, f"{what} without spaces", default)
+        return raw
+    return parse
+
+
+def _text(name: str, raw: str, default: str) -> str:
+    return raw
+
+
+@dataclass(frozen=True)
+class _Variable:
+    name: str
+    field: str
+    parse: Callable[[str, str, str], Any]
+    default: str  # as the message names it
+
+
+_VARIABLES = (
+    _Variable("TORCHRING_TIMEOUT", "timeout", _seconds, "300"),
+    _Variable("TORCHRING_TRANSPORT", "transport", _choice("auto", "shm", "tcp"), "auto"),
+    _Variable("TORCHRING_HOSTNAME", "hostname", _word("a host identity"), "(this host's name)"),
+    _Variable("TORCHRING_ADDR", "addr", _word("a host name or IP address"), "(the route to MASTER_ADDR)"),
+    _Variable("TORCHRING_BIND_ADDR", "bind_addr", _word("a local IP address"), "(all interfaces)"),
+    _Variable("TORCHRING_SHM_CHUNK_KB", "shm_chunk_kb", _integer(4, 1 << 20, "number of KiB"), "1024"),
+    _Variable("TORCHRING_SHM_ARENA_MB", "shm_arena_mb", _integer(0, 1 << 20, "number of MiB"), "2048"),
+    _Variable("TORCHRING_SPIN", "spin", _integer(0, 10 ** 8, "number of iterations"),
+              "(20000, or 200 when ranks outnumber cores)"),
+    _Variable("TORCHRING_GRAD_POOL_MB", "grad_pool_mb", _pool_mb, "auto"),
+    _Variable("TORCHRING_CACHE_DIR", "cache_dir", _text, "~/.cache/torchring"),
+    _Variable("TORCHRING_CUDA_PATH", "cuda_path", _choice("auto", "nccl", "staged", "off"), "auto"),
+    _Variable("TORCHRING_DEVICE", "device", _integer(0, 1023, "CUDA device index"), "(the local rank)"),
+    _Variable("TORCHRING_JOB_ID", "job_id", _word("a job name"), "(the launcher's run id)"),
+)
+
+VARIABLES: tuple[str, ...] = tuple(v.name for v in _VARIABLES)

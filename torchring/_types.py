@@ -1,0 +1,107 @@
+"""What Python shares with the C++ engine: reduce ops, op kinds, dtypes, and the Handle.
+
+One definition each. The engine has its own copies of the enums (its wire format and kernels
+are keyed by them); ``check_engine()`` compares the two when the engine is loaded, so a
+mismatch fails at import instead of reducing with the wrong op.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["ReduceOp", "Handle"]
+
+
+class ReduceOp(enum.IntEnum):
+    """How allreduce and reduce_scatter combine the ranks' values."""
+
+    SUM = 0
+    AVG = 1
+    MIN = 2
+    MAX = 3
+    PRODUCT = 4
+
+
+class OpKind(enum.IntEnum):
+    """The kinds of collective the engine runs (part of every collective's header)."""
+
+    ALLREDUCE = 0
+    BROADCAST = 1
+    ALLGATHER = 2
+    REDUCE_SCATTER = 3
+    BARRIER = 4
+
+
+# The engine's dtype enum, in its order.
+DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                                   torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool)
+FLOATS: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'float32' for torch.float32: the spelling every torchring message uses."""
+    return str(dtype).replace("torch.", "")
+
+
+def describe(t: torch.Tensor) -> str:
+    """A tensor as messages name it: dtype and shape, e.g. 'float32[10, 100]'."""
+    return f"{dtype_name(t.dtype)}{list(t.shape)}"
+
+
+def check_engine(engine: Any) -> None:
+    """Raises ImportError if the engine's REDUCE_OPS, OP_KINDS or DTYPES differ from these.
+
+    An attribute the engine lacks (a build older than these attributes) is not checked."""
+    expected: dict[str, Any] = {
+        "REDUCE_OPS": {op.name: op.value for op in ReduceOp},
+        "OP_KINDS": {kind.name: kind.value for kind in OpKind},
+        "DTYPES": [dtype_name(d) for d in DTYPES],
+    }
+    for attr, ours in expected.items():
+        theirs = getattr(engine, attr, None)
+        if theirs is None:
+            continue
+        if isinstance(ours, dict):
+            theirs = {str(name).upper(): int(value) for name, value in dict(theirs).items()}
+        else:
+            theirs = [str(name).lower() for name in theirs]
+        if theirs != ours:
+            raise ImportError(
+                f"the torchring engine's {attr} is {theirs}, but torchring/_types.py says {ours}; "
+                "the compiled engine and the Python package come from different versions: "
+                "reinstall torchring, or delete its build cache (TORCHRING_CACHE_DIR) to rebuild")
+
+
+class Handle:
+    """An operation in flight: ``wait()`` returns its result or raises its failure."""
+
+    def __init__(self, work: Any, finish: Callable[[torch.Tensor], Any] | None = None) -> None:
+        self.work = work  # the engine's Work (or an adapter with wait/is_completed/seq)
+        self._finish = finish
+        self._done = False
+        self._result: Any = None
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Blocks until the operation is done (the GIL is released) and returns its result."""
+        if not self._done:
+            out = self.work.wait(0.0 if timeout is None else float(timeout))
+            self._result = self._finish(out) if self._finish else out
+            self._done = True
+        return self._result
+
+    def synchronize(self, timeout: float | None = None) -> Any:
+        """Like wait(), but for CUDA work also blocks the host until the GPU finished it."""
+        if hasattr(self.work, "synchronize"):
+            self.work.synchronize(0.0 if timeout is None else float(timeout))
+        return self.wait(timeout)
+
+    def is_completed(self) -> bool:
+        """True once the operation finished, successfully or not (wait() tells which)."""
+        return self._done or self.work.is_completed()
+
+    def __repr__(self) -> str:
+        state = "completed" if self.is_completed() else "pending"
+        return f"<torchring.Handle #{self.work.seq} {state}>"
