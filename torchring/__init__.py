@@ -5,6 +5,7 @@
     torchring.allreduce(tensor)            # in place, SUM by default
 """
 
+from . import cuda  # torchring.cuda.path(), reason(), device()
 from ._context import (init, is_initialized, local_rank, local_size, rank, shutdown, size,
                        transport)
 from ._errors import TorchringError

@@ -4,7 +4,7 @@ The cache key covers the torch version, the Python version, the compiler flags, 
 sources and the CPU's instruction set, so a new torch (or a new machine sharing a home
 directory) rebuilds instead of failing to import. A file lock makes the ranks of a job
 that start together build once: the first takes the lock and builds, the rest wait and
-load the result.
+load the result. Progress goes to the "torchring" logger (torchring._log).
 """
 
 from __future__ import annotations
@@ -14,12 +14,16 @@ import hashlib
 import importlib.util
 import os
 import platform
+import shutil
 import sys
 import time
 from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from . import _settings, _types
+from ._log import logger
 
 _NAME = "torchring_C"
 _CSRC = Path(__file__).resolve().parent / "csrc"
@@ -35,8 +39,8 @@ def nccl_paths() -> tuple[str, str] | None:
         return None
     home = os.environ.get("NCCL_HOME")
     candidates = [Path(home)] if home else []
-    try:
-        import nvidia.nccl  # the wheel CUDA builds of torch install
+    try:  # optional: the nvidia-nccl wheel exists only beside a CUDA build of torch
+        import nvidia.nccl
         candidates += [Path(p) for p in nvidia.nccl.__path__]
     except ImportError:
         pass
@@ -50,7 +54,6 @@ def cuda_home() -> str | None:
     """The CUDA toolkit that has cuda.h: CUDA_HOME or CUDA_PATH, the real location of nvcc
     (a /usr/local/bin/nvcc link would otherwise make cpp_extension guess /usr/local), or
     /usr/local/cuda."""
-    import shutil
     candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
     nvcc = shutil.which("nvcc")
     if nvcc:
@@ -97,10 +100,7 @@ def cache_key() -> str:
 
 def build_dir() -> Path:
     """Where this engine version is (or will be) built."""
-    root = os.environ.get("TORCHRING_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "torchring"
-    )
-    return Path(root) / f"{torch.__version__.replace('+', '_')}-{cache_key()}"
+    return _settings.cache_dir(os.environ) / f"{torch.__version__.replace('+', '_')}-{cache_key()}"
 
 
 def _import_built(path: Path) -> ModuleType:
@@ -112,7 +112,8 @@ def _import_built(path: Path) -> ModuleType:
 
 
 def load(verbose: bool = False) -> ModuleType:
-    """Returns the engine module, building it first if this version is not cached."""
+    """Returns the engine module, building it first if this version is not cached; raises
+    ImportError if its reduce ops, op kinds or dtypes differ from torchring._types'."""
     global _module
     if _module is not None:
         return _module
@@ -130,7 +131,9 @@ def load(verbose: bool = False) -> ModuleType:
                 built.unlink(missing_ok=True)
                 _compile(directory, verbose)
                 done.write_text(cache_key())
-    _module = _import_built(built)
+    module = _import_built(built)
+    _types.check_engine(module)
+    _module = module
     return _module
 
 
@@ -141,17 +144,18 @@ def _compile(directory: Path, verbose: bool) -> None:
         # The engine has no device code, so the arch list changes nothing; but on a machine
         # without a GPU cpp_extension cannot derive one and fails unless it is given.
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    # Imported here, not at the top: cpp_extension reads CUDA_HOME when it is imported (set
+    # just above), and only a build needs it.
     from torch.utils import cpp_extension
 
     start = time.time()
-    print(f"torchring: building the engine in {directory} (once per torch version)...",
-          file=sys.stderr, flush=True)
+    logger.info("building the engine in %s (once per torch version)...", directory)
     cflags, includes, ldflags = list(_CFLAGS), [], []
     if nccl is not None:
         include, lib = nccl
         cflags.append("-DTORCHRING_WITH_NCCL")
         includes += [include, os.path.join(cuda_home() or "", "include")]
-        try:  # the CUDA headers of the nvidia wheels (some toolkits ship nvcc and little else)
+        try:  # optional: the CUDA headers of the nvidia wheels (some toolkits ship nvcc and little else)
             import nvidia.cu13
             includes += [os.path.join(p, "include") for p in nvidia.cu13.__path__]
         except ImportError:
@@ -168,7 +172,7 @@ def _compile(directory: Path, verbose: bool) -> None:
         with_cuda=nccl is not None,
         is_python_module=True,
     )
-    print(f"torchring: engine built in {time.time() - start:.0f} s", file=sys.stderr, flush=True)
+    logger.info("engine built in %.0f s", time.time() - start)
 
 
 def flags() -> list[str]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import json
+import math
 import os
 import secrets
 import socket
@@ -28,10 +29,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import _build, _env, cuda
+from . import _build, _env, _gpu_path
 from ._errors import TorchringError
-
-DEFAULT_TIMEOUT = 300.0
+from ._settings import Settings
 
 
 @dataclass
@@ -41,23 +41,14 @@ class _State:
     local_rank: int
     local_size: int
     transport: str
-    arena_mb: int
+    settings: Settings
     pid: int = dataclasses.field(default_factory=os.getpid)  # the process that joined
 
 
 _state: _State | None = None
+_last_settings: Settings | None = None  # the last init()'s, kept after shutdown()
 _generation = 0
 _stores: dict[tuple[str, int], dist.Store] = {}
-
-
-def _env_float(name: str, default: float) -> float:
-    value = os.environ.get(name)
-    if not value:
-        return default
-    try:
-        return float(value)
-    except ValueError:
-        raise ValueError(f"{name}={value!r} must be a number of seconds") from None
 
 
 def _store(launch: _env.Launch, timeout: float) -> dist.Store:
@@ -90,9 +81,8 @@ def _get(store: dist.Store, key: str, rank: int, what: str, timeout: float) -> b
             "and MASTER_PORT, and is none of them dead?") from exc
 
 
-def _route_addr(master_addr: str) -> str:
+def _route_addr(master_addr: str, override: str | None) -> str:
     """The local address on the route to the store's host (what peers can connect to)."""
-    override = os.environ.get("TORCHRING_ADDR")
     if override:
         return override
     try:
@@ -114,23 +104,44 @@ def _host_groups(hosts: list[str]) -> list[list[int]]:
     return list(groups.values())
 
 
+def _read_settings(rank: int, timeout: float | None) -> Settings:
+    """The environment's settings, with an explicit init(timeout=...) winning."""
+    try:
+        settings = Settings.from_env(os.environ)
+    except ValueError as exc:
+        raise ValueError(f"rank {rank}: {exc}") from None
+    if timeout is None:
+        return settings
+    timeout = float(timeout)
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise ValueError(f"rank {rank}: init(timeout={timeout}): expected a positive number of seconds")
+    return dataclasses.replace(settings, timeout=timeout)
+
+
+def _communicator(engine: Any, launch: _env.Launch, groups: list[list[int]], settings: Settings,
+                  secret: str) -> Any:
+    """The engine's Communicator for this rank (not started, not wired yet)."""
+    my_group = next(g for g in groups if launch.rank in g)
+    return engine.Communicator(
+        rank=launch.rank, size=launch.world_size, hosts=groups, timeout=settings.timeout,
+        chunk_bytes=settings.shm_chunk_kb << 10, arena_bytes=settings.shm_arena_mb << 20,
+        spin_iters=settings.spin_iters(len(my_group), _env.available_cpus()), secret=secret)
+
+
 def init(timeout: float | None = None) -> None:
     """Joins the job described by the launcher's environment (idempotent)."""
-    global _state, _generation
+    global _state, _last_settings, _generation
     if _state is not None:
         return
     launch = _env.detect()
-    timeout = float(timeout) if timeout is not None else _env_float("TORCHRING_TIMEOUT", DEFAULT_TIMEOUT)
-    if timeout <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout}")
-    transport = os.environ.get("TORCHRING_TRANSPORT", "auto").lower()
-    if transport not in ("auto", "shm", "tcp"):
-        raise ValueError(f"TORCHRING_TRANSPORT={transport!r}: expected auto, shm or tcp")
+    settings = _read_settings(launch.rank, timeout)
+    timeout, transport = settings.timeout, settings.transport
     engine = _build.load()
     rank, world = launch.rank, launch.world_size
-    prefix = f"torchring/{launch.job_id}/{launch.restart}/{_generation}/"
+    job_id = settings.job_id or launch.job_id
+    prefix = f"torchring/{job_id}/{launch.restart}/{_generation}/"
     _generation += 1
-    host = os.environ.get("TORCHRING_HOSTNAME") or socket.gethostname()
+    host = settings.hostname or socket.gethostname()
 
     store = _store(launch, timeout) if world > 1 else None
     if store is not None:
@@ -153,16 +164,10 @@ def init(timeout: float | None = None) -> None:
     groups = [[r] for r in range(world)] if transport == "tcp" else real_groups
     my_real = next(g for g in real_groups if rank in g)
 
-    chunk_kb = int(_env_float("TORCHRING_SHM_CHUNK_KB", 1024))
-    arena_mb = int(_env_float("TORCHRING_SHM_ARENA_MB", 2048))
-    my_group = next(g for g in groups if rank in g)
-    spin = int(_env_float("TORCHRING_SPIN", 20000 if len(my_group) <= _env.available_cpus() else 200))
-    comm = engine.Communicator(rank=rank, size=world, hosts=groups, timeout=timeout,
-                               chunk_bytes=chunk_kb << 10, arena_bytes=arena_mb << 20,
-                               spin_iters=spin, secret=secret)
+    comm = _communicator(engine, launch, groups, settings, secret)
     try:
         if store is not None:
-            _wire(comm, store, prefix, launch, host, groups, timeout)
+            _wire(comm, store, prefix, launch, host, groups, settings)
         comm.start()
     except BaseException:
         comm.shutdown()
@@ -171,27 +176,30 @@ def init(timeout: float | None = None) -> None:
     local_size = launch.local_world_size if launch.local_world_size is not None else len(my_real)
     used = "none" if world == 1 else "+".join(
         t for t, on in (("shm", comm.has_shm), ("tcp", comm.num_hosts > 1)) if on)
-    _state = _State(launch, comm, local_rank, local_size, used or "none", arena_mb)
+    _state = _State(launch, comm, local_rank, local_size, used or "none", settings)
+    _last_settings = settings
     # At exit, a job that never called shutdown() still lets its last GPU collectives finish
     # and stops the NCCL watchdog before the CUDA runtime unloads (registered once).
     atexit.unregister(shutdown)
     atexit.register(shutdown)
     try:
-        cuda.setup(engine, dist.PrefixStore(prefix, store) if store is not None else None, "", rank,
-                   world, local_rank, host, timeout)
+        _gpu_path.setup(engine, dist.PrefixStore(prefix, store) if store is not None else None, rank,
+                        world, local_rank, host, settings)
     except BaseException:
         shutdown()
         raise
 
 
 def _wire(comm: Any, store: dist.Store, prefix: str, launch: _env.Launch, host: str,
-          groups: list[list[int]], timeout: float) -> None:
-    rank = launch.rank
+          groups: list[list[int]], settings: Settings) -> None:
+    rank, timeout = launch.rank, settings.timeout
     shm_name = comm.create_shm(f"{os.getpid()}{secrets.token_hex(3)}") if comm.has_shm else ""
     port, addr = None, None
     if comm.is_leader and comm.num_hosts > 1:
-        addr = _route_addr(launch.master_addr)
-        bind = os.environ.get("TORCHRING_BIND_ADDR", "127.0.0.1" if addr.startswith("127.") else "")
+        addr = _route_addr(launch.master_addr, settings.addr)
+        bind = settings.bind_addr
+        if bind is None:
+            bind = "127.0.0.1" if addr.startswith("127.") else ""  # "": every interface
         port = comm.listen(bind)
     info = {"host": host, "addr": addr, "port": port, "pid": os.getpid(), "shm": shm_name}
     store.set(prefix + f"info/{rank}", json.dumps(info))
@@ -223,7 +231,7 @@ def shutdown() -> None:
     if state.pid != os.getpid():  # a forked child's copy: the parent's job, not its own
         state.comm.shutdown()  # the engine keeps it, closing and aborting nothing
         return
-    cuda.teardown()
+    _gpu_path.teardown()
     state.comm.shutdown()
 
 
@@ -266,7 +274,15 @@ def transport() -> str:
 
 def arena_mb() -> int:
     """Size of each rank's shared-memory arena in MiB (0: torchring.empty uses plain memory)."""
-    return _require("empty").arena_mb
+    return _require("empty").settings.shm_arena_mb
+
+
+def settings() -> Settings:
+    """The settings init() read; after shutdown() the last init()'s; before any init(), the
+    environment's (parsed now)."""
+    if _state is not None:
+        return _state.settings
+    return _last_settings if _last_settings is not None else Settings.from_env(os.environ)
 
 
 def communicator(what: str) -> Any:

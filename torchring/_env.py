@@ -1,7 +1,9 @@
 """Where this process sits in the job, read from the launcher's environment.
 
 Order: the torchrun contract (RANK, WORLD_SIZE, ...), then Open MPI, then PMI (MPICH,
-Intel MPI), then SLURM; with none of them the job is a single process.
+Intel MPI), then SLURM; with none of them the job is a single process. torchring's own
+variables (TORCHRING_*, including TORCHRING_JOB_ID, which overrides ``Launch.job_id``) are
+read by torchring._settings.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ class Launch:
     master_addr: str
     master_port: int
     use_agent_store: bool  # torchrun's agent already hosts the store: connect as a client
-    job_id: str
+    job_id: str  # the launcher's run id (torchrun's, SLURM's), else "job"
     restart: int
     source: str  # "torchrun", "openmpi", "pmi", "slurm" or "single"
 
@@ -61,8 +63,7 @@ def _first_slurm_host(nodelist: str) -> str:
 def detect(env: dict | None = None) -> Launch:
     """Reads the launcher's variables (torchrun, Open MPI, PMI, SLURM) or returns world size 1."""
     env = dict(os.environ if env is None else env)
-    job_id = env.get("TORCHRING_JOB_ID") or env.get("TORCHELASTIC_RUN_ID") or env.get(
-        "SLURM_JOB_ID") or "job"
+    job_id = env.get("TORCHELASTIC_RUN_ID") or env.get("SLURM_JOB_ID") or "job"
     restart = _int(env, "TORCHELASTIC_RESTART_COUNT") or 0
     agent = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     port = _int(env, "MASTER_PORT")
@@ -95,7 +96,7 @@ def detect(env: dict | None = None) -> Launch:
                          "check the launcher's world size")
     addr = env.get("MASTER_ADDR")
     if addr is None:
-        if world == (local_world or 0):
+        if world in (1, local_world):  # every rank is on this host
             addr = "127.0.0.1"
         else:
             raise ValueError(f"rank {rank}: MASTER_ADDR is not set ({source} launch over several "

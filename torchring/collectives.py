@@ -5,17 +5,22 @@ every rank must submit the same collectives in the same order (the engine compar
 header of each and raises TorchringError on every rank when they differ). The blocking
 forms run on the calling thread when nothing is queued; the ``_async`` forms return a
 Handle at once and run on the communicator's progress thread.
+
+CUDA tensors go the way torchring._gpu_path chose at init(): on the "nccl" path to the NCCL
+communicator (its header compared by the CPU engine too), on the "staged" path through a
+pinned host copy that the CPU engine reduces, copied back when waited for. Either way the
+caller's input is checked once, and messages name the function the caller called.
 """
 
 from __future__ import annotations
 
-import enum
 import pickle
 from typing import Any, Callable
 
 import torch
 
-from . import _context, cuda
+from . import _context, _gpu_path
+from ._types import DTYPES, FLOATS, Handle, OpKind, ReduceOp, describe, dtype_name
 
 __all__ = [
     "ReduceOp", "Handle", "allreduce", "allreduce_async", "broadcast", "broadcast_async",
@@ -23,86 +28,28 @@ __all__ = [
     "barrier_async", "broadcast_object", "allgather_object",
 ]
 
-
-class ReduceOp(enum.IntEnum):
-    """How allreduce and reduce_scatter combine the ranks' values."""
-
-    SUM = 0
-    AVG = 1
-    MIN = 2
-    MAX = 3
-    PRODUCT = 4
-
-
-class _Kind(enum.IntEnum):
-    ALLREDUCE = 0
-    BROADCAST = 1
-    ALLGATHER = 2
-    REDUCE_SCATTER = 3
-    BARRIER = 4
-
-
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
-           torch.uint8, torch.int32, torch.int64, torch.bool)
-_FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-
-
-class Handle:
-    """An operation in flight: ``wait()`` returns its result or raises its failure."""
-
-    def __init__(self, work: Any, finish: Callable[[torch.Tensor], Any] | None = None) -> None:
-        self._work = work
-        self._finish = finish
-        self._done = False
-        self._result: Any = None
-
-    def wait(self, timeout: float | None = None) -> Any:
-        """Blocks until the operation is done (the GIL is released) and returns its result."""
-        if not self._done:
-            out = self._work.wait(0.0 if timeout is None else float(timeout))
-            self._result = self._finish(out) if self._finish else out
-            self._done = True
-        return self._result
-
-    def synchronize(self, timeout: float | None = None) -> Any:
-        """Like wait(), but for CUDA work also blocks the host until the GPU finished it."""
-        if hasattr(self._work, "synchronize"):
-            self._work.synchronize(0.0 if timeout is None else float(timeout))
-        return self.wait(timeout)
-
-    def is_completed(self) -> bool:
-        """True once the operation finished, successfully or not (wait() tells which)."""
-        return self._done or self._work.is_completed()
-
-    def __repr__(self) -> str:
-        state = "completed" if self.is_completed() else "pending"
-        return f"<torchring.Handle #{self._work.seq} {state}>"
-
-
-def _describe(t: torch.Tensor) -> str:
-    return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
+_Kind = OpKind  # the old private name, still used by tests/test_failures.py
 
 
 def _check_tensor(t: Any, what: str) -> torch.Tensor:
-    comm = _context.communicator(what)
-    del comm
+    _context.communicator(what)  # raises before init()
     where = f"rank {_context.rank()}: torchring.{what}"
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{where} expects a torch.Tensor, got {type(t).__name__}")
     if t.layout != torch.strided:
         raise TypeError(f"{where}: {t.layout} tensors are not supported; pass a dense tensor "
                         "(tensor.to_dense())")
-    if t.dtype not in _DTYPES:
-        names = ", ".join(str(d).replace("torch.", "") for d in _DTYPES)
-        raise TypeError(f"{where}: dtype {t.dtype} of tensor {list(t.shape)} is not supported; "
+    if t.dtype not in DTYPES:
+        names = ", ".join(dtype_name(d) for d in DTYPES)
+        raise TypeError(f"{where}: tensor {describe(t)} has a dtype torchring does not support; "
                         f"use one of {names}")
     if t.device.type == "cuda":
-        cuda.check(t, where)
+        _gpu_path.check(t, where)
     elif t.device.type != "cpu":
-        raise ValueError(f"{where}: tensor {_describe(t)} is on {t.device}; torchring handles "
+        raise ValueError(f"{where}: tensor {describe(t)} is on {t.device}; torchring handles "
                          "CPU and CUDA tensors")
     if not t.is_contiguous():
-        raise ValueError(f"{where}: tensor {_describe(t)} is not contiguous (strides "
+        raise ValueError(f"{where}: tensor {describe(t)} is not contiguous (strides "
                          f"{t.stride()}); pass tensor.contiguous() and use that tensor afterwards")
     return t
 
@@ -114,8 +61,8 @@ def _check_op(t: torch.Tensor, op: Any, what: str) -> ReduceOp:
     if t.dtype == torch.bool and op not in (ReduceOp.MIN, ReduceOp.MAX):
         raise TypeError(f"{where}: bool tensors support ReduceOp.MIN and MAX only, got {op.name}; "
                         "convert to an integer dtype to sum or multiply")
-    if op == ReduceOp.AVG and t.dtype not in _FLOATS:
-        raise ValueError(f"{where}: ReduceOp.AVG needs a floating-point tensor, got {_describe(t)}; "
+    if op == ReduceOp.AVG and t.dtype not in FLOATS:
+        raise ValueError(f"{where}: ReduceOp.AVG needs a floating-point tensor, got {describe(t)}; "
                          "use SUM and divide, or convert to float")
     return op
 
@@ -128,16 +75,78 @@ def _check_src(src: Any, what: str) -> int:
     return src
 
 
-def _submit(kind: _Kind, t: torch.Tensor | None, op: int, root: int, inline: bool) -> Any:
-    return _context.communicator(kind.name.lower()).submit(int(kind), t, int(op), root, inline)
+def _submit(kind: OpKind, t: torch.Tensor | None, op: int, root: int, inline: bool,
+            what: str) -> Any:
+    """Queues a CPU collective on the engine; returns its Work."""
+    return _context.communicator(what).submit(int(kind), t, int(op), root, inline)
+
+
+class _NcclHandleWork:
+    """Adapts an NCCL work to the interface Handle expects; its sequence number is the one
+    the CPU engine gave the collective's header check."""
+
+    def __init__(self, work: Any, seq: int) -> None:
+        self.work = work
+        self.seq = seq
+
+    def wait(self, timeout: float = 0.0) -> torch.Tensor:
+        if timeout > 0:
+            self.work.synchronize(timeout)
+        return self.work.wait()
+
+    def synchronize(self, timeout: float = 0.0) -> torch.Tensor:
+        return self.work.synchronize(timeout)
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
+def _nccl(kind: OpKind, t: torch.Tensor, op: int, root: int, what: str) -> Handle:
+    """Starts a collective of a CUDA tensor on the NCCL communicator. The CPU engine compares
+    its header (kind, dtype, count, op, root, shape) across ranks on its own thread, in order
+    with every other collective; NCCL's watchdog aborts on a mismatch."""
+    comm, nccl = _context.communicator(what), _gpu_path.nccl_comm()
+    rows: list[int] = []
+    if kind == OpKind.ALLGATHER:  # NCCL needs every rank's row count up front
+        mine = torch.tensor([t.shape[0]], dtype=torch.int64)
+        rows = Handle(_submit(OpKind.ALLGATHER, mine, 0, -1, True, what)).wait().tolist()
+    check = comm.submit_check(int(kind), t, int(op), root)
+    if kind == OpKind.ALLREDUCE:
+        work = nccl.allreduce(t, int(op), check)
+    elif kind == OpKind.BROADCAST:
+        work = nccl.broadcast(t, root, check)
+    elif kind == OpKind.ALLGATHER:
+        work = nccl.allgather(t, rows, check)
+    else:
+        work = nccl.reduce_scatter(t, int(op), check)
+    return Handle(_NcclHandleWork(work, check.seq))
+
+
+def _staged(kind: OpKind, t: torch.Tensor, op: int, root: int, inline: bool, what: str) -> Handle:
+    """Runs a collective of a CUDA tensor on the CPU engine through a pinned host copy."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t)  # synchronous: the host copy is complete before the CPU engine reads it
+    back: Callable[[torch.Tensor], torch.Tensor]
+    if kind in (OpKind.ALLREDUCE, OpKind.BROADCAST):
+        back = t.copy_  # in place, like the CPU form
+    else:
+        back = lambda out: out.to(t.device)  # noqa: E731  a new tensor, like the CPU form
+    return Handle(_submit(kind, host, op, root, inline, what), back)
+
+
+def _run(kind: OpKind, t: torch.Tensor, op: int, root: int, inline: bool, what: str) -> Handle:
+    """Starts a checked tensor's collective on the path for its device."""
+    if not t.is_cuda:
+        return Handle(_submit(kind, t, op, root, inline, what))
+    if _gpu_path.path() == "nccl":
+        return _nccl(kind, t, op, root, what)
+    return _staged(kind, t, op, root, inline, what)
 
 
 def _allreduce(tensor: torch.Tensor, op: ReduceOp, what: str, inline: bool) -> Handle:
     t = _check_tensor(tensor, what)
     op = _check_op(t, op, what)
-    if t.is_cuda:
-        return cuda.allreduce(t, op)
-    return Handle(_submit(_Kind.ALLREDUCE, t, op, -1, inline))
+    return _run(OpKind.ALLREDUCE, t, op, -1, inline, what)
 
 
 def allreduce_async(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> Handle:
@@ -153,9 +162,7 @@ def allreduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor
 def _broadcast(tensor: torch.Tensor, src: int, what: str, inline: bool) -> Handle:
     t = _check_tensor(tensor, what)
     src = _check_src(src, what)
-    if t.is_cuda:
-        return cuda.broadcast(t, src)
-    return Handle(_submit(_Kind.BROADCAST, t, 0, src, inline))
+    return _run(OpKind.BROADCAST, t, 0, src, inline, what)
 
 
 def broadcast_async(tensor: torch.Tensor, src: int = 0) -> Handle:
@@ -171,9 +178,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
 def _allgather(tensor: torch.Tensor, what: str, inline: bool) -> Handle:
     t = _check_tensor(tensor, what)
     t = t.reshape(1) if t.dim() == 0 else t  # a scalar is one row
-    if t.is_cuda:
-        return cuda.allgather(t)
-    return Handle(_submit(_Kind.ALLGATHER, t, 0, -1, inline))
+    return _run(OpKind.ALLGATHER, t, 0, -1, inline, what)
 
 
 def allgather_async(tensor: torch.Tensor) -> Handle:
@@ -191,11 +196,9 @@ def _reduce_scatter(tensor: torch.Tensor, op: ReduceOp, what: str, inline: bool)
     op = _check_op(t, op, what)
     world, me = _context.size(), _context.rank()
     if t.dim() == 0 or t.shape[0] % world != 0:
-        raise ValueError(f"rank {me}: torchring.{what}: dim 0 of tensor {_describe(t)} must be "
+        raise ValueError(f"rank {me}: torchring.{what}: dim 0 of tensor {describe(t)} must be "
                          f"divisible by the world size {world}; pad it to a multiple of {world}")
-    if t.is_cuda:
-        return cuda.reduce_scatter(t, op)
-    return Handle(_submit(_Kind.REDUCE_SCATTER, t, op, -1, inline))
+    return _run(OpKind.REDUCE_SCATTER, t, op, -1, inline, what)
 
 
 def reduce_scatter_async(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> Handle:
@@ -210,12 +213,12 @@ def reduce_scatter(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.T
 
 def barrier_async() -> Handle:
     """Starts a barrier; wait() returns once every rank has reached it."""
-    return Handle(_submit(_Kind.BARRIER, None, 0, -1, False))
+    return Handle(_submit(OpKind.BARRIER, None, 0, -1, False, "barrier_async"))
 
 
 def barrier() -> None:
     """Returns once every rank has called barrier()."""
-    Handle(_submit(_Kind.BARRIER, None, 0, -1, True)).wait()
+    Handle(_submit(OpKind.BARRIER, None, 0, -1, True, "barrier")).wait()
 
 
 def _to_bytes_tensor(obj: Any) -> torch.Tensor:

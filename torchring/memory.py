@@ -4,15 +4,13 @@ without a copy, and the pool that backward's gradients are allocated from."""
 from __future__ import annotations
 
 import itertools
-import math
-import os
-import warnings
 import weakref
 from typing import Sequence
 
 import torch
 
 from . import _build, _context
+from ._log import logger
 
 _warned = False
 
@@ -29,10 +27,10 @@ def empty(shape: int | Sequence[int], dtype: torch.dtype = torch.float32) -> tor
         return tensor
     if comm.has_shm and _context.arena_mb() > 0 and not _warned:
         _warned = True
-        warnings.warn("torchring.empty: the shared-memory arena is full or /dev/shm has no room "
-                      "left (TORCHRING_SHM_ARENA_MB), or this is a forked child process, which "
-                      "cannot use its rank's arena; using regular memory, which costs one copy "
-                      "per allreduce", RuntimeWarning, stacklevel=2)
+        logger.warning("rank %d: torchring.empty: the shared-memory arena is full or /dev/shm has "
+                       "no room left (TORCHRING_SHM_ARENA_MB), or this is a forked child process, "
+                       "which cannot use its rank's arena; using regular memory, which costs one "
+                       "copy per allreduce (said once per process)", _context.rank())
     return torch.empty(sizes, dtype=dtype)
 
 
@@ -45,20 +43,9 @@ _tokens = itertools.count()
 
 
 def _pool_setting() -> int | None:
-    """TORCHRING_GRAD_POOL_MB in bytes: None for auto, 0 for off."""
-    raw = os.environ.get("TORCHRING_GRAD_POOL_MB", "auto").strip().lower()
-    if raw == "auto":
-        return None
-    if raw == "off":
-        return 0
-    try:
-        mb = float(raw)
-    except ValueError:
-        mb = float("nan")
-    if not math.isfinite(mb) or mb < 0:
-        raise ValueError(f"rank {_context.rank()}: TORCHRING_GRAD_POOL_MB={raw!r}: expected 'auto', "
-                         "0 or 'off' (no pool), or a number of MiB")
-    return int(mb * (1 << 20))
+    """TORCHRING_GRAD_POOL_MB in bytes: None for auto, 0 for off (checked by init())."""
+    mb = _context.settings().grad_pool_mb
+    return None if mb is None else int(mb * (1 << 20))
 
 
 def _apply_pool_limit(setting: int | None) -> bool:

@@ -21,6 +21,12 @@ import sys
 import uuid
 from typing import Any
 
+import torch.distributed.run as torchrun
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+from . import _build, build
+
 __all__ = ["main", "torchrun_args"]
 
 
@@ -81,18 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
     args = _parser().parse_args(argv)
     if args.check_build:
-        from . import build
         return build.main([])
     if not args.script or not args.num_proc:
         _parser().error("give -np N and a script, e.g. torchring-run -np 2 train.py")
     if args.num_proc < 1:
         _parser().error(f"-np must be at least 1, got {args.num_proc}")
-    from . import _build
     _build.load()  # build once here, not in N ranks at once
-    import torch.distributed.run as torchrun
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
     launch = torchrun.get_args_parser().parse_args(torchrun_args(args))
     try:
         torchrun.run(launch)

@@ -8,6 +8,8 @@ import torch
 from .. import collectives
 from .sampler import DistributedSampler
 
+__all__ = ["gather_ordered", "all_reduce_metrics"]
+
 
 def gather_ordered(values: torch.Tensor, sampler: DistributedSampler) -> torch.Tensor:
     """Every rank's per-sample `values` (rows in this rank's sampler order), one row per dataset index."""

@@ -14,7 +14,9 @@ from typing import Any, Iterator
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .sampler import _world
+from .sampler import replicas_and_rank
+
+__all__ = ["ShardedIterableDataset"]
 
 
 class ShardedIterableDataset(IterableDataset):
@@ -23,7 +25,7 @@ class ShardedIterableDataset(IterableDataset):
     def __init__(self, dataset: IterableDataset, num_replicas: int | None = None,
                  rank: int | None = None, even: bool = True) -> None:
         self.dataset = dataset
-        self.num_replicas, self.rank = _world(num_replicas, rank)
+        self.num_replicas, self.rank = replicas_and_rank(num_replicas, rank)
         self.even = even
 
     def __iter__(self) -> Iterator[Any]:

@@ -19,6 +19,8 @@ from .. import _context, _env
 from .iterable import ShardedIterableDataset
 from .sampler import DistributedSampler
 
+__all__ = ["DataLoader", "default_num_workers"]
+
 _UNSET: Any = object()
 
 

@@ -9,6 +9,10 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from .. import _gpu_path
+
+__all__ = ["DevicePrefetcher"]
+
 
 def _to(batch: Any, device: torch.device, non_blocking: bool) -> Any:
     if isinstance(batch, torch.Tensor):
@@ -38,8 +42,7 @@ class DevicePrefetcher:
     def __init__(self, loader: Iterable[Any], device: torch.device | str | None = None) -> None:
         self.loader = loader
         if device is None:
-            from .. import cuda
-            device = cuda.device() or "cpu"  # the rank's device as init() chose it
+            device = _gpu_path.device() or "cpu"  # the rank's device as init() chose it
         self.device = torch.device(device)
 
     def __len__(self) -> int:

@@ -26,8 +26,11 @@ from torch.utils.data import Sampler
 
 from .. import _context
 
+__all__ = ["DistributedSampler"]
 
-def _world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
+
+def replicas_and_rank(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
+    """(num_replicas, rank): the given values, checked; a missing one from torchring.init()."""
     if num_replicas is None or rank is None:
         if not _context.is_initialized():
             raise RuntimeError("torchring.data.DistributedSampler needs the rank and world size: call "
@@ -47,7 +50,7 @@ class DistributedSampler(Sampler[int]):
     def __init__(self, dataset: Sized, num_replicas: int | None = None, rank: int | None = None,
                  shuffle: bool = True, seed: int = 0, drop_last: bool = False,
                  auto_epoch: bool = True, exact: bool = False) -> None:
-        self.num_replicas, self.rank = _world(num_replicas, rank)
+        self.num_replicas, self.rank = replicas_and_rank(num_replicas, rank)
         self.dataset = dataset
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.auto_epoch, self.exact = auto_epoch, exact
