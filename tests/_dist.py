@@ -4,6 +4,9 @@ Each rank gets the torchrun-style environment (RANK, WORLD_SIZE, LOCAL_RANK, LOC
 MASTER_ADDR, MASTER_PORT). By default the parent hosts the ``TCPStore`` like the torchrun agent
 does and sets ``TORCHELASTIC_USE_AGENT_STORE=True``; with ``host_store=False`` rank 0 hosts it.
 
+Inside a rank, ``with session(): ...`` runs the body between ``torchring.init()`` and
+``torchring.shutdown()`` (also when the body raises).
+
 ``spawn`` returns the per-rank return values and re-raises the first failing rank's traceback;
 ``spawn(..., expect_fail=True)`` returns an :class:`Outcome` per rank instead (value, exception
 text or exit code), for fault tests. A rank that is still running after ``timeout`` seconds gets
@@ -12,6 +15,7 @@ its Python stacks dumped, then every rank is killed and the test fails.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import faulthandler
@@ -26,7 +30,7 @@ import time
 import traceback
 import uuid
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import pytest
 import torch.distributed as dist
@@ -139,6 +143,18 @@ class StoreGate:
             dst.shutdown(socket.SHUT_WR)
         except OSError:
             pass
+
+
+@contextlib.contextmanager
+def session() -> Iterator[None]:
+    """In a rank: torchring.init() on entry, torchring.shutdown() on exit, also after an error."""
+    import torchring  # here, not at the top: the parent process never needs the engine
+
+    torchring.init()
+    try:
+        yield
+    finally:
+        torchring.shutdown()
 
 
 def launch_env(rank: int, world_size: int, port: int, job_id: str) -> dict[str, str]:
