@@ -37,7 +37,7 @@ from torch import nn
 
 from torch.utils import _pytree
 
-from . import _context, collectives, cuda, memory
+from . import _context, _gpu_path, collectives, memory
 from ._errors import TorchringError
 from .reducer import Reducer
 
@@ -104,7 +104,7 @@ class DistributedModel(nn.Module):
                 raise ValueError(f"{where}: parameter '{name}' is uninitialized (lazy module); "
                                  "run one forward pass before wrapping")
             if p.device.type == "cuda":
-                cuda.check(p, f"{where}: parameter '{name}'")
+                _gpu_path.check(p, f"{where}: parameter '{name}'")
             elif p.device.type != "cpu":
                 raise ValueError(f"{where}: parameter {_describe(name, p)} is on {p.device}; "
                                  "torchring handles CPU and CUDA models")

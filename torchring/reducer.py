@@ -45,7 +45,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import _context, buckets, collectives
-from .collectives import ReduceOp
+from ._types import ReduceOp
 
 __all__ = ["Reducer", "AllreduceAsync", "AgreeOnOrder", "Allocate"]
 
