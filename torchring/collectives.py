@@ -122,10 +122,15 @@ def _nccl(kind: OpKind, t: torch.Tensor, op: int, root: int, what: str) -> Handl
     return Handle(_NcclHandleWork(work, check.seq))
 
 
-def _staged(kind: OpKind, t: torch.Tensor, op: int, root: int, inline: bool, what: str) -> Handle:
-    """Runs a collective of a CUDA tensor on the CPU engine through a pinned host copy."""
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t)  # synchronous: the host copy is complete before the CPU engine reads it
+    return host
+
+
+def _staged(kind: OpKind, t: torch.Tensor, op: int, root: int, inline: bool, what: str) -> Handle:
+    """Runs a collective of a CUDA tensor on the CPU engine through a pinned host copy."""
+    host = _pinned_copy(t)
     back: Callable[[torch.Tensor], torch.Tensor]
     if kind in (OpKind.ALLREDUCE, OpKind.BROADCAST):
         back = t.copy_  # in place, like the CPU form
