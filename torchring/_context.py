@@ -157,9 +157,11 @@ def init(timeout: float | None = None) -> None:
     arena_mb = int(_env_float("TORCHRING_SHM_ARENA_MB", 2048))
     my_group = next(g for g in groups if rank in g)
     spin = int(_env_float("TORCHRING_SPIN", 20000 if len(my_group) <= _env.available_cpus() else 200))
-    comm = engine.Communicator(rank=rank, size=world, hosts=groups, timeout=timeout,
-                               chunk_bytes=chunk_kb << 10, arena_bytes=arena_mb << 20,
-                               spin_iters=spin, secret=secret)
+    options = engine.CommOptions()
+    options.rank, options.size, options.hosts, options.timeout = rank, world, groups, timeout
+    options.segment_bytes, options.arena_bytes = chunk_kb << 10, arena_mb << 20
+    options.spin_iters, options.secret = spin, secret
+    comm = engine.Communicator(options)
     try:
         if store is not None:
             _wire(comm, store, prefix, launch, host, groups, timeout)

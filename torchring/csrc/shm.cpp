@@ -87,7 +87,7 @@ struct ShmGroup::Control {
   alignas(64) std::atomic<uint32_t> sleepers;   // peers sleeping on `stamp`
   alignas(64) std::atomic<uint64_t> progress;   // (seq << 1) | done, for timeout messages
   std::atomic<uint64_t> heartbeat;              // bumped by progress outside shared memory
-  uint64_t chunkBytes, stagingOffset, arenaOffset, worldSize;  // layout, checked by peers
+  uint64_t segmentBytes, stagingOffset, arenaOffset, worldSize;  // layout, checked by peers
   std::atomic<uint32_t> abortState;             // group-wide, in local index 0: 0, 1 writing, 2 set
   char abortMessage[4096];
 };
@@ -146,8 +146,8 @@ ShmGroup::ShmGroup(ShmOptions options) : opt_(std::move(options)) {
   controlBytes_ = roundUp(sizeof(Control), kPage);
   tableBytes_ = roundUp(2 * opt_.worldSize * sizeof(OpHeader), kPage);
   stagingOffset_ = controlBytes_ + tableBytes_;
-  opt_.chunkBytes = roundUp(std::max<size_t>(opt_.chunkBytes, kPage), 64);
-  arenaOffset_ = roundUp(stagingOffset_ + 2 * opt_.chunkBytes, kPage);
+  opt_.segmentBytes = roundUp(std::max<size_t>(opt_.segmentBytes, kPage), 64);
+  arenaOffset_ = roundUp(stagingOffset_ + 2 * opt_.segmentBytes, kPage);
   mappings_.resize(opt_.localRanks.size());
 }
 
@@ -159,7 +159,7 @@ std::string ShmGroup::create(const std::string& nameTag) {
   ownName_ = name.str();
   int fd = shm_open(ownName_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0) {
-    throw TorchringError("rank " + std::to_string(opt_.localRanks[opt_.localIndex]) +
+    throw CommFailedError("rank " + std::to_string(opt_.localRanks[opt_.localIndex]) +
                          ": shm_open(" + ownName_ + ") failed: " + errnoText() +
                          "; check that /dev/shm is mounted and writable, or set "
                          "TORCHRING_TRANSPORT=tcp");
@@ -171,7 +171,7 @@ std::string ShmGroup::create(const std::string& nameTag) {
   int reserveError = ftruncate(fd, static_cast<off_t>(total)) != 0 ? errno : 0;
   if (reserveError == 0) reserveError = posix_fallocate(fd, 0, static_cast<off_t>(arenaOffset_));
   if (reserveError != 0) {
-    throw TorchringError("rank " + std::to_string(opt_.localRanks[opt_.localIndex]) +
+    throw CommFailedError("rank " + std::to_string(opt_.localRanks[opt_.localIndex]) +
                          ": cannot reserve (" + std::strerror(reserveError) + ") " +
                          std::to_string(arenaOffset_ >> 10) +
                          " KiB in /dev/shm for segment " + ownName_ +
@@ -180,7 +180,7 @@ std::string ShmGroup::create(const std::string& nameTag) {
   }
   void* base = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (base == MAP_FAILED) {
-    throw TorchringError("rank " + std::to_string(opt_.localRanks[opt_.localIndex]) +
+    throw CommFailedError("rank " + std::to_string(opt_.localRanks[opt_.localIndex]) +
                          ": mmap of " + ownName_ + " failed: " + errnoText());
   }
   mapping->base = static_cast<char*>(base);
@@ -188,7 +188,7 @@ std::string ShmGroup::create(const std::string& nameTag) {
   mappings_[opt_.localIndex] = mapping;
   arena_ = std::make_shared<Arena>(mapping, arenaOffset_, opt_.arenaBytes);
   Control* own = control(opt_.localIndex);
-  own->chunkBytes = opt_.chunkBytes;
+  own->segmentBytes = opt_.segmentBytes;
   own->stagingOffset = stagingOffset_;
   own->arenaOffset = arenaOffset_;
   own->worldSize = static_cast<uint64_t>(opt_.worldSize);
@@ -207,7 +207,7 @@ void ShmGroup::attach(const std::vector<std::string>& names) {
                       names[i] + " of rank " + std::to_string(opt_.localRanks[i]);
     int fd = shm_open(names[i].c_str(), O_RDWR, 0600);
     if (fd < 0) {
-      throw TorchringError(who + ": " + errnoText() +
+      throw CommFailedError(who + ": " + errnoText() +
                            "; ranks that share TORCHRING_HOSTNAME must share /dev/shm");
     }
     struct stat st;
@@ -215,19 +215,19 @@ void ShmGroup::attach(const std::vector<std::string>& names) {
     auto mapping = std::make_shared<Mapping>();
     mapping->fd = fd;
     void* base = mmap(nullptr, st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (base == MAP_FAILED) throw TorchringError(who + ": mmap: " + errnoText());
+    if (base == MAP_FAILED) throw CommFailedError(who + ": mmap: " + errnoText());
     mapping->base = static_cast<char*>(base);
     mapping->bytes = st.st_size;
     mappings_[i] = mapping;
     Control* peer = control(i);
     if (peer->magic != kMagic || peer->rank != opt_.localRanks[i]) {
-      throw TorchringError(who + ": it does not hold a torchring segment of that rank");
+      throw CommFailedError(who + ": it does not hold a torchring segment of that rank");
     }
-    if (peer->chunkBytes != opt_.chunkBytes || peer->arenaOffset != arenaOffset_ ||
+    if (peer->segmentBytes != opt_.segmentBytes || peer->arenaOffset != arenaOffset_ ||
         peer->stagingOffset != stagingOffset_ || peer->worldSize != static_cast<uint64_t>(opt_.worldSize)) {
-      throw TorchringError(
+      throw CommFailedError(
           who + ": its shared-memory layout differs from this rank's (staging chunk " +
-          std::to_string(peer->chunkBytes >> 10) + " KiB vs " + std::to_string(opt_.chunkBytes >> 10) +
+          std::to_string(peer->segmentBytes >> 10) + " KiB vs " + std::to_string(opt_.segmentBytes >> 10) +
           " KiB, world " + std::to_string(peer->worldSize) + " vs " + std::to_string(opt_.worldSize) +
           "); give every rank the same TORCHRING_SHM_CHUNK_KB");
     }
@@ -249,7 +249,7 @@ OpHeader* ShmGroup::table(int index, uint64_t seq) const {
 }
 
 char* ShmGroup::staging(int index, int buffer) const {
-  return mappings_[index]->base + stagingOffset_ + buffer * opt_.chunkBytes;
+  return mappings_[index]->base + stagingOffset_ + buffer * opt_.segmentBytes;
 }
 
 int64_t ShmGroup::arenaOffsetOf(const void* ptr, size_t bytes) const {
@@ -325,7 +325,7 @@ void ShmGroup::checkAbort() const {
   for (int i = 0; i < 1000000 && leader->abortState.load(std::memory_order_acquire) != 2; ++i) {
     cpuRelax();
   }
-  throw TorchringError("rank " + std::to_string(opt_.localRanks[opt_.localIndex]) + ": " +
+  throw CommFailedError("rank " + std::to_string(opt_.localRanks[opt_.localIndex]) + ": " +
                        currentWhat_ + " aborted because another rank failed: " +
                        std::string(leader->abortMessage));
 }
@@ -345,7 +345,7 @@ void ShmGroup::failWaiting(int index, const char* why) const {
         << "; a rank is stuck or stopped, or ranks issued different numbers of collectives "
            "(raise TORCHRING_TIMEOUT if the work between collectives is that slow)";
   }
-  throw TorchringError(msg.str());
+  throw CommFailedError(msg.str());
 }
 
 void ShmGroup::abort(const std::string& message) {
@@ -383,7 +383,7 @@ void ShmGroup::receiveAllHeaders(uint64_t seq, std::vector<OpHeader>& headers) {
   std::copy(leaderTable, leaderTable + opt_.worldSize, headers.begin());
 }
 
-// Allreduce through the staging buffers, one chunk of at most chunkBytes at a time.
+// Allreduce through the staging buffers, one chunk of at most segmentBytes at a time.
 // Small messages (one-shot): copy the chunk in, arrive, wait, and every rank reduces all
 // n staged chunks into its own tensor: one synchronization per chunk. Larger messages
 // (reduce-scatter + allgather through memory): copy in, wait; each rank reduces its own
@@ -399,7 +399,7 @@ void ShmGroup::allreduce(char* data, size_t count, DType dtype, ReduceOp op, dou
   for (int i = 0; i < n; ++i) zeroCopy = zeroCopy && headers[opt_.localRanks[i]].arenaOffset >= 0;
   if (zeroCopy) return allreduceZeroCopy(data, count, dtype, op, scale, headers);
   const size_t esize = elementSize(dtype);
-  const size_t chunkElems = opt_.chunkBytes / esize;
+  const size_t chunkElems = opt_.segmentBytes / esize;
   const bool oneShot = count * esize <= kOneShotBytes;
   std::vector<const void*> srcs(n);
   for (size_t start = 0; start < count; start += chunkElems) {
@@ -469,7 +469,7 @@ void ShmGroup::allreduceZeroCopy(char* data, size_t count, DType dtype, ReduceOp
 void ShmGroup::reduceToLeader(const char* data, size_t count, DType dtype, ReduceOp op,
                               float* hostSum) {
   const int n = localSize(), me = opt_.localIndex;
-  const size_t esize = elementSize(dtype), chunkElems = opt_.chunkBytes / esize;
+  const size_t esize = elementSize(dtype), chunkElems = opt_.segmentBytes / esize;
   std::vector<const void*> srcs(n);
   for (size_t start = 0; start < count; start += chunkElems) {
     const size_t len = std::min(chunkElems, count - start);
@@ -493,7 +493,7 @@ void ShmGroup::reduceScatter(const char* input, char* out, size_t count, DType d
                              ReduceOp op, double scale) {
   const int n = localSize(), me = opt_.localIndex;
   const size_t esize = elementSize(dtype), block = count / n;
-  const size_t pieceElems = std::max<size_t>(1, opt_.chunkBytes / esize / n);
+  const size_t pieceElems = std::max<size_t>(1, opt_.segmentBytes / esize / n);
   std::vector<const void*> srcs(n);
   for (size_t o = 0; o < block; o += pieceElems) {
     const size_t len = std::min(pieceElems, block - o);
@@ -513,8 +513,8 @@ void ShmGroup::reduceScatter(const char* input, char* out, size_t count, DType d
 // copy it out. Double buffering gives the same no-trailing-barrier argument as allreduce.
 void ShmGroup::broadcast(char* data, size_t bytes, int rootIndex) {
   const int me = opt_.localIndex;
-  for (size_t start = 0; start < bytes; start += opt_.chunkBytes) {
-    const size_t len = std::min(opt_.chunkBytes, bytes - start);
+  for (size_t start = 0; start < bytes; start += opt_.segmentBytes) {
+    const size_t len = std::min(opt_.segmentBytes, bytes - start);
     const int buf = nextBuffer();
     if (me == rootIndex) std::memcpy(staging(me, buf), data + start, len);
     arrive();
@@ -523,7 +523,7 @@ void ShmGroup::broadcast(char* data, size_t bytes, int rootIndex) {
   }
 }
 
-// Allgather: in round r every rank stages bytes [r*chunkBytes, (r+1)*chunkBytes) of its
+// Allgather: in round r every rank stages bytes [r*segmentBytes, (r+1)*segmentBytes) of its
 // contribution, everyone waits, and each rank copies every staged piece to its place.
 void ShmGroup::allgather(const char* src, char* out,
                          const std::vector<std::pair<size_t, size_t>>& pieces) {
@@ -531,16 +531,16 @@ void ShmGroup::allgather(const char* src, char* out,
   size_t most = 0;
   for (auto& piece : pieces) most = std::max(most, piece.second);
   std::memcpy(out + pieces[me].first, src, pieces[me].second);
-  for (size_t start = 0; start < most; start += opt_.chunkBytes) {
+  for (size_t start = 0; start < most; start += opt_.segmentBytes) {
     const int buf = nextBuffer();
     if (start < pieces[me].second) {
-      std::memcpy(staging(me, buf), src + start, std::min(opt_.chunkBytes, pieces[me].second - start));
+      std::memcpy(staging(me, buf), src + start, std::min(opt_.segmentBytes, pieces[me].second - start));
     }
     arrive();
     waitAll();
     for (int p = 0; p < n; ++p) {
       if (p == me || start >= pieces[p].second) continue;
-      size_t len = std::min(opt_.chunkBytes, pieces[p].second - start);
+      size_t len = std::min(opt_.segmentBytes, pieces[p].second - start);
       std::memcpy(out + pieces[p].first + start, staging(p, buf), len);
     }
   }

@@ -49,7 +49,7 @@ struct ShmOptions {
   int worldSize = 1;
   std::vector<int> localRanks;  // global ranks of this host, ascending; index = local index
   int localIndex = 0;           // this process's index in localRanks
-  size_t chunkBytes = 1 << 20;  // staging buffer per rank (two of them: double buffering)
+  size_t segmentBytes = 1 << 20;  // staging buffer per rank (two of them: double buffering)
   size_t arenaBytes = 0;        // virtual size of the zero-copy arena (committed on use)
   double timeoutSec = 300;      // a wait that sees no progress this long fails
   int spinIters = 20000;        // busy-wait iterations before sleeping on a futex
