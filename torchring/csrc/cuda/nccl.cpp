@@ -42,10 +42,11 @@ ncclRedOp_t ncclOp(ReduceOp op) {
 
 // "allreduce #17 float32[10, 100] SUM on cuda:0": the label and spelling of the engine's
 // header (the sequence number is the header check's), so both paths name an operation alike.
-std::string describe(const Work& check, const at::Tensor& t, ReduceOp op, int root) {
+std::string describe(const std::shared_ptr<Work>& check, const at::Tensor& t, ReduceOp op, int root) {
+  TORCH_INTERNAL_ASSERT(check, "an NCCL collective was launched without its header check");
   OpHeader header;
-  header.kind = static_cast<uint8_t>(check.kind());
-  header.seq = check.seq();
+  header.kind = static_cast<uint8_t>(check->kind());
+  header.seq = check->seq();
   header.dtype = static_cast<uint8_t>(toDType(t.scalar_type()));
   header.op = static_cast<uint8_t>(op);
   header.root = root;
@@ -356,14 +357,14 @@ std::shared_ptr<NcclWork> NcclComm::launch(const std::string& call, const std::s
 }
 
 std::shared_ptr<NcclWork> NcclComm::allreduce(at::Tensor t, ReduceOp op, std::shared_ptr<Work> headerCheck) {
-  std::string what = describe(*headerCheck, t, op, -1);
+  std::string what = describe(headerCheck, t, op, -1);
   return launch("ncclAllReduce", what, {t}, t, std::move(headerCheck), [&](cudaStream_t s) {
     return ncclAllReduce(t.data_ptr(), t.data_ptr(), t.numel(), ncclType(t.scalar_type()), ncclOp(op), comm_, s);
   });
 }
 
 std::shared_ptr<NcclWork> NcclComm::broadcast(at::Tensor t, int root, std::shared_ptr<Work> headerCheck) {
-  std::string what = describe(*headerCheck, t, ReduceOp::SUM, root);
+  std::string what = describe(headerCheck, t, ReduceOp::SUM, root);
   return launch("ncclBroadcast", what, {t}, t, std::move(headerCheck), [&](cudaStream_t s) {
     return ncclBroadcast(t.data_ptr(), t.data_ptr(), t.numel(), ncclType(t.scalar_type()), root, comm_, s);
   });
@@ -380,7 +381,7 @@ std::shared_ptr<NcclWork> NcclComm::allgather(at::Tensor t, const std::vector<in
   at::Tensor out = at::empty(sizes, t.options());
   int64_t rowElems = 1;  // from the trailing dims: right even when this rank has 0 rows
   for (int64_t d = 1; d < t.dim(); ++d) rowElems *= t.size(d);
-  std::string what = describe(*headerCheck, t, ReduceOp::SUM, -1);
+  std::string what = describe(headerCheck, t, ReduceOp::SUM, -1);
   const ncclDataType_t type = ncclType(t.scalar_type());  // may throw: not inside the group
   return launch("ncclBroadcast (grouped allgather)", what, {t, out}, out, std::move(headerCheck),
                 [&](cudaStream_t s) {
@@ -401,12 +402,18 @@ std::shared_ptr<NcclWork> NcclComm::reduceScatter(at::Tensor t, ReduceOp op, std
   std::vector<int64_t> sizes = t.sizes().vec();
   sizes[0] /= size_;
   at::Tensor out = at::empty(sizes, t.options());
-  std::string what = describe(*headerCheck, t, op, -1);
+  std::string what = describe(headerCheck, t, op, -1);
   return launch("ncclReduceScatter", what, {t, out}, out, std::move(headerCheck), [&](cudaStream_t s) {
     return ncclReduceScatter(t.data_ptr(), out.data_ptr(), out.numel(), ncclType(t.scalar_type()),
                              ncclOp(op), comm_, s);
   });
 }
+
+NcclWork::NcclWork(std::shared_ptr<NcclComm> comm, std::shared_ptr<Event> done,
+                   std::shared_ptr<Work> check, at::Tensor result, std::string what)
+    : Work(check->kind(), check->seq(), comm->rank()), comm_(std::move(comm)),
+      done_(std::move(done)), check_(std::move(check)), result_(std::move(result)),
+      what_(std::move(what)) {}
 
 bool NcclWork::isCompleted() { return done_->query() && (!check_ || check_->isCompleted()); }
 

@@ -44,10 +44,7 @@ class Event {
 class NcclWork : public Work {
  public:
   NcclWork(std::shared_ptr<NcclComm> comm, std::shared_ptr<Event> done,
-           std::shared_ptr<Work> check, at::Tensor result, std::string what)
-      : Work(check->kind(), check->seq(), comm->rank()), comm_(std::move(comm)),
-        done_(std::move(done)), check_(std::move(check)), result_(std::move(result)),
-        what_(std::move(what)) {}
+           std::shared_ptr<Work> check, at::Tensor result, std::string what);
   bool isCompleted() override;
   // Makes the caller's current stream wait for the collective; the host does not block
   // (with timeoutSec > 0 it first synchronizes, up to that long). Raises CommFailedError if
