@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "common.h"
-#include "shm.h"
+#include "shm/group.h"
 #include "tcp.h"
 #include "work.h"
 
