@@ -146,7 +146,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                      "virtual size of this rank's shared-memory arena; 0 for none")
       .def_readwrite("spin_iters", &CommOptions::spinIters,
                      "busy-wait iterations before a waiting rank sleeps")
-      .def_readwrite("secret", &CommOptions::secret, "per-job token every TCP handshake presents");
+      .def_readwrite("secret", &CommOptions::secret, "per-job token every TCP handshake presents")
+      .def_readwrite("one_shot_bytes", &CommOptions::oneShotBytes,
+                     "internal, for tests: largest staged shared-memory allreduce run one-shot");
 
 #ifdef TORCHRING_WITH_NCCL
   using torchring::NcclComm;

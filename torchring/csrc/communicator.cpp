@@ -52,6 +52,7 @@ Communicator::Communicator(CommOptions options)
     so.localRanks = opt_.hosts[hostIndex_];
     so.localIndex = localIndex_;
     so.segmentBytes = opt_.segmentBytes;
+    so.oneShotBytes = opt_.oneShotBytes;
     so.arenaBytes = opt_.arenaBytes;
     so.timeoutSec = opt_.timeoutSec;
     so.spinIters = opt_.spinIters;

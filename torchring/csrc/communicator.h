@@ -41,6 +41,10 @@ struct CommOptions {
   size_t arenaBytes = 0;
   // Busy-wait iterations before a waiting rank sleeps on a futex.
   int spinIters = 20000;
+  // Internal, for tests: the largest staged shared-memory allreduce that runs one-shot
+  // (every rank reduces all of it). Tests set it to 0 to reach the chunked path with small
+  // tensors, as segmentBytes (at least a page) reaches the multi-segment paths.
+  size_t oneShotBytes = ShmOptions::kDefaultOneShotBytes;
   // Random per-job token every TCP handshake must present.
   std::string secret;
 

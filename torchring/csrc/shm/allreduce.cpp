@@ -12,8 +12,6 @@
 namespace torchring {
 namespace {
 
-constexpr size_t kOneShotBytes = 128 << 10;  // below this every rank reduces everything
-
 // Elements [lo, hi) of `count` that make up the chunk of local index `index` of `n`: the part
 // it reduces. Chunks are whole multiples of 64 bytes so two ranks never write the same
 // cache line.
@@ -43,7 +41,7 @@ void ShmGroup::allreduce(char* data, size_t count, DType dtype, ReduceOp op, dou
   if (zeroCopy) return allreduceZeroCopy(data, count, dtype, op, scale, headers);
   const size_t esize = elementSize(dtype);
   const size_t segmentElems = opt_.segmentBytes / esize;
-  const bool oneShot = count * esize <= kOneShotBytes;
+  const bool oneShot = count * esize <= opt_.oneShotBytes;
   std::vector<const void*> srcs(n);
   for (size_t start = 0; start < count; start += segmentElems) {
     const size_t len = std::min(segmentElems, count - start);

@@ -28,6 +28,10 @@ struct ShmOptions {
   size_t arenaBytes = 0;        // virtual size of the zero-copy arena (committed on use)
   double timeoutSec = 300;      // a wait that sees no progress this long fails
   int spinIters = 20000;        // busy-wait iterations before sleeping on a futex
+  // A staged allreduce of at most this many bytes is one-shot: every rank reduces the whole
+  // message (one synchronization per segment); above it, each rank reduces its chunk.
+  size_t oneShotBytes = kDefaultOneShotBytes;
+  static constexpr size_t kDefaultOneShotBytes = 128 << 10;
 };
 
 // Each rank owns one region: [control | header tables | 2 staging buffers | arena]
