@@ -67,9 +67,11 @@ def cuda_home() -> str | None:
 
 def sources() -> list[Path]:
     """The engine's C++ sources: the CPU engine, plus the NCCL path when it can be built."""
-    found = sorted(_CSRC.glob("*.cpp"))
+    # cpp_extension names each object file after its source's base name: keep base names
+    # unique across csrc/, csrc/shm/ and csrc/cuda/.
+    found = sorted(_CSRC.glob("*.cpp")) + sorted(_CSRC.glob("shm/*.cpp"))
     if nccl_paths() is not None:
-        found += sorted((_CSRC / "cuda").glob("*.cpp"))
+        found += sorted(_CSRC.glob("cuda/*.cpp"))
     return found
 
 
@@ -92,8 +94,8 @@ def cache_key() -> str:
                 str(nccl_paths()), str(cuda_home()))
     for part in identity:
         h.update(part.encode())
-    for path in sources() + sorted(_CSRC.glob("*.h")) + sorted(_CSRC.glob("cuda/*.h")):
-        h.update(path.name.encode())
+    for path in sources() + sorted(_CSRC.glob("**/*.h")):
+        h.update(path.relative_to(_CSRC).as_posix().encode())
         h.update(path.read_bytes())
     return h.hexdigest()[:16]
 

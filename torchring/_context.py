@@ -122,10 +122,13 @@ def _communicator(engine: Any, launch: _env.Launch, groups: list[list[int]], set
                   secret: str) -> Any:
     """The engine's Communicator for this rank (not started, not wired yet)."""
     my_group = next(g for g in groups if launch.rank in g)
-    return engine.Communicator(
-        rank=launch.rank, size=launch.world_size, hosts=groups, timeout=settings.timeout,
-        chunk_bytes=settings.shm_chunk_kb << 10, arena_bytes=settings.shm_arena_mb << 20,
-        spin_iters=settings.spin_iters(len(my_group), _env.available_cpus()), secret=secret)
+    options = engine.CommOptions()
+    options.rank, options.size, options.hosts = launch.rank, launch.world_size, groups
+    options.timeout, options.secret = settings.timeout, secret
+    options.segment_bytes = settings.shm_segment_kb << 10
+    options.arena_bytes = settings.shm_arena_mb << 20
+    options.spin_iters = settings.spin_iters(len(my_group), _env.available_cpus())
+    return engine.Communicator(options)
 
 
 def init(timeout: float | None = None) -> None:

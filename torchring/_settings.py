@@ -6,8 +6,11 @@ below mirrors the README's configuration table. An empty value counts as unset. 
 that does not parse, or lies outside its range, raises ValueError in one shape: the name,
 the value received, what is allowed, and what to do, e.g.
 
-    TORCHRING_SHM_CHUNK_KB='abc': expected an integer number of KiB in [4, 1048576]; unset it
+    TORCHRING_SHM_SEGMENT_KB='abc': expected an integer number of KiB in [4, 1048576]; unset it
     for the default 1024
+
+TORCHRING_SHM_CHUNK_KB, the earlier name of TORCHRING_SHM_SEGMENT_KB, still works (messages
+then name it); setting both to different values is an error.
 
 The launcher's variables (RANK, WORLD_SIZE, MASTER_ADDR, SLURM_*, ...) are read by
 ``_env.detect``, not here; TORCHRING_JOB_ID is here and overrides the launcher's job id.
@@ -34,7 +37,7 @@ class Settings:
     hostname: str | None = None      # TORCHRING_HOSTNAME: None = socket.gethostname()
     addr: str | None = None          # TORCHRING_ADDR: None = the local address routing to MASTER_ADDR
     bind_addr: str | None = None     # TORCHRING_BIND_ADDR: None = loopback for a loopback addr, else all
-    shm_chunk_kb: int = 1024         # TORCHRING_SHM_CHUNK_KB
+    shm_segment_kb: int = 1024       # TORCHRING_SHM_SEGMENT_KB (alias TORCHRING_SHM_CHUNK_KB)
     shm_arena_mb: int = 2048         # TORCHRING_SHM_ARENA_MB (0: torchring.empty uses plain memory)
     spin: int | None = None          # TORCHRING_SPIN: None = 20000, or 200 when ranks outnumber cores
     grad_pool_mb: float | None = None  # TORCHRING_GRAD_POOL_MB: None = auto, 0 = off
@@ -48,9 +51,16 @@ class Settings:
         """Parses and checks every variable of `env` (a dict such as os.environ)."""
         values: dict[str, Any] = {}
         for var in _VARIABLES:
-            raw = env.get(var.name, "").strip()
+            name, raw = var.name, env.get(var.name, "").strip()
+            for alias in (a for a, current in ALIASES.items() if current == var.name):
+                old = env.get(alias, "").strip()
+                if old and raw and old != raw:
+                    raise ValueError(f"{alias}={old!r} and {var.name}={raw!r} disagree ({alias} is "
+                                     f"the earlier name of {var.name}); set only {var.name}")
+                if old and not raw:
+                    name, raw = alias, old
             if raw:
-                values[var.field] = var.parse(var.name, raw, var.default)
+                values[var.field] = var.parse(name, raw, var.default)
         values["cache_dir"] = str(cache_dir(env))  # with XDG_CACHE_HOME and HOME from env
         return cls(**values)
 
@@ -158,7 +168,7 @@ _VARIABLES = (
     _Variable("TORCHRING_HOSTNAME", "hostname", _word("a host identity"), "(this host's name)"),
     _Variable("TORCHRING_ADDR", "addr", _word("a host name or IP address"), "(the route to MASTER_ADDR)"),
     _Variable("TORCHRING_BIND_ADDR", "bind_addr", _word("a local IP address"), "(all interfaces)"),
-    _Variable("TORCHRING_SHM_CHUNK_KB", "shm_chunk_kb", _integer(4, 1 << 20, "number of KiB"), "1024"),
+    _Variable("TORCHRING_SHM_SEGMENT_KB", "shm_segment_kb", _integer(4, 1 << 20, "number of KiB"), "1024"),
     _Variable("TORCHRING_SHM_ARENA_MB", "shm_arena_mb", _integer(0, 1 << 20, "number of MiB"), "2048"),
     _Variable("TORCHRING_SPIN", "spin", _integer(0, 10 ** 8, "number of iterations"),
               "(20000, or 200 when ranks outnumber cores)"),
@@ -168,5 +178,8 @@ _VARIABLES = (
     _Variable("TORCHRING_DEVICE", "device", _integer(0, 1023, "CUDA device index"), "(the local rank)"),
     _Variable("TORCHRING_JOB_ID", "job_id", _word("a job name"), "(the launcher's run id)"),
 )
+
+# Earlier names that still work: alias -> current name.
+ALIASES = {"TORCHRING_SHM_CHUNK_KB": "TORCHRING_SHM_SEGMENT_KB"}
 
 VARIABLES: tuple[str, ...] = tuple(v.name for v in _VARIABLES)

@@ -79,7 +79,7 @@ class Handle:
     """An operation in flight: ``wait()`` returns its result or raises its failure."""
 
     def __init__(self, work: Any, finish: Callable[[torch.Tensor], Any] | None = None) -> None:
-        self.work = work  # the engine's Work (or an adapter with wait/is_completed/seq)
+        self.work = work  # the engine's Work (an NcclWork on the NCCL path)
         self._finish = finish
         self._done = False
         self._result: Any = None
@@ -94,7 +94,7 @@ class Handle:
 
     def synchronize(self, timeout: float | None = None) -> Any:
         """Like wait(), but for CUDA work also blocks the host until the GPU finished it."""
-        if hasattr(self.work, "synchronize"):
+        if not self._done:
             self.work.synchronize(0.0 if timeout is None else float(timeout))
         return self.wait(timeout)
 

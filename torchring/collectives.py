@@ -28,7 +28,6 @@ __all__ = [
     "barrier_async", "broadcast_object", "allgather_object",
 ]
 
-_Kind = OpKind  # the old private name, still used by tests/test_failures.py
 
 
 def _check_tensor(t: Any, what: str) -> torch.Tensor:
@@ -81,26 +80,6 @@ def _submit(kind: OpKind, t: torch.Tensor | None, op: int, root: int, inline: bo
     return _context.communicator(what).submit(int(kind), t, int(op), root, inline)
 
 
-class _NcclHandleWork:
-    """Adapts an NCCL work to the interface Handle expects; its sequence number is the one
-    the CPU engine gave the collective's header check."""
-
-    def __init__(self, work: Any, seq: int) -> None:
-        self.work = work
-        self.seq = seq
-
-    def wait(self, timeout: float = 0.0) -> torch.Tensor:
-        if timeout > 0:
-            self.work.synchronize(timeout)
-        return self.work.wait()
-
-    def synchronize(self, timeout: float = 0.0) -> torch.Tensor:
-        return self.work.synchronize(timeout)
-
-    def is_completed(self) -> bool:
-        return self.work.is_completed()
-
-
 def _nccl(kind: OpKind, t: torch.Tensor, op: int, root: int, what: str) -> Handle:
     """Starts a collective of a CUDA tensor on the NCCL communicator. The CPU engine compares
     its header (kind, dtype, count, op, root, shape) across ranks on its own thread, in order
@@ -119,7 +98,7 @@ def _nccl(kind: OpKind, t: torch.Tensor, op: int, root: int, what: str) -> Handl
         work = nccl.allgather(t, rows, check)
     else:
         work = nccl.reduce_scatter(t, int(op), check)
-    return Handle(_NcclHandleWork(work, check.seq))
+    return Handle(work)  # an NcclWork: a Work with its check's sequence number
 
 
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # The README's configuration table, column "default".
 README_DEFAULTS = {
     "timeout": 300.0, "transport": "auto", "hostname": None, "addr": None, "bind_addr": None,
-    "shm_chunk_kb": 1024, "shm_arena_mb": 2048, "spin": None, "grad_pool_mb": None,
+    "shm_segment_kb": 1024, "shm_arena_mb": 2048, "spin": None, "grad_pool_mb": None,
     "cuda_path": "auto", "device": None, "job_id": None,
 }
 
@@ -35,8 +35,18 @@ def test_defaults_without_any_variable() -> None:
         assert getattr(got, field) == want, field
 
 
+def test_the_earlier_segment_name_still_works_and_is_named_in_messages() -> None:
+    assert Settings.from_env({"TORCHRING_SHM_CHUNK_KB": "256"}).shm_segment_kb == 256
+    assert Settings.from_env({"TORCHRING_SHM_CHUNK_KB": "256",
+                              "TORCHRING_SHM_SEGMENT_KB": "256"}).shm_segment_kb == 256
+    with pytest.raises(ValueError, match=r"^TORCHRING_SHM_CHUNK_KB='x': expected an integer"):
+        Settings.from_env({"TORCHRING_SHM_CHUNK_KB": "x"})
+    with pytest.raises(ValueError, match="disagree"):
+        Settings.from_env({"TORCHRING_SHM_CHUNK_KB": "256", "TORCHRING_SHM_SEGMENT_KB": "512"})
+
+
 def test_empty_and_blank_values_count_as_unset() -> None:
-    env = {name: "" for name in VARIABLES} | {"TORCHRING_SHM_CHUNK_KB": "  ", "HOME": "/home/u"}
+    env = {name: "" for name in VARIABLES} | {"TORCHRING_SHM_SEGMENT_KB": "  ", "HOME": "/home/u"}
     assert Settings.from_env(env) == Settings.from_env({"HOME": "/home/u"})
 
 
@@ -49,8 +59,8 @@ def test_empty_and_blank_values_count_as_unset() -> None:
     ("TORCHRING_HOSTNAME", "fake-host-1", "hostname", "fake-host-1"),
     ("TORCHRING_ADDR", "10.0.0.2", "addr", "10.0.0.2"),
     ("TORCHRING_BIND_ADDR", "0.0.0.0", "bind_addr", "0.0.0.0"),
-    ("TORCHRING_SHM_CHUNK_KB", "4", "shm_chunk_kb", 4),
-    ("TORCHRING_SHM_CHUNK_KB", " 1048576 ", "shm_chunk_kb", 1048576),
+    ("TORCHRING_SHM_SEGMENT_KB", "4", "shm_segment_kb", 4),
+    ("TORCHRING_SHM_SEGMENT_KB", " 1048576 ", "shm_segment_kb", 1048576),
     ("TORCHRING_SHM_ARENA_MB", "0", "shm_arena_mb", 0),
     ("TORCHRING_SHM_ARENA_MB", "64", "shm_arena_mb", 64),
     ("TORCHRING_SPIN", "0", "spin", 0),
@@ -86,10 +96,10 @@ def test_good_values(name: str, raw: str, field: str, want: object) -> None:
     ("TORCHRING_HOSTNAME", "node a", "without spaces"),
     ("TORCHRING_ADDR", "10.0.0.1 10.0.0.2", "without spaces"),
     ("TORCHRING_BIND_ADDR", "eth0 lo", "without spaces"),
-    ("TORCHRING_SHM_CHUNK_KB", "abc", "[4, 1048576]"),
-    ("TORCHRING_SHM_CHUNK_KB", "1.5", "integer"),
-    ("TORCHRING_SHM_CHUNK_KB", "2", "[4, 1048576]"),
-    ("TORCHRING_SHM_CHUNK_KB", "1048577", "[4, 1048576]"),
+    ("TORCHRING_SHM_SEGMENT_KB", "abc", "[4, 1048576]"),
+    ("TORCHRING_SHM_SEGMENT_KB", "1.5", "integer"),
+    ("TORCHRING_SHM_SEGMENT_KB", "2", "[4, 1048576]"),
+    ("TORCHRING_SHM_SEGMENT_KB", "1048577", "[4, 1048576]"),
     ("TORCHRING_SHM_ARENA_MB", "-1", "[0, 1048576]"),
     ("TORCHRING_SHM_ARENA_MB", "2G", "integer"),
     ("TORCHRING_SPIN", "-5", "[0, 100000000]"),
@@ -113,8 +123,8 @@ def test_bad_values_say_name_value_range_and_fix(name: str, raw: str, allowed: s
 
 def test_the_message_shape_in_full() -> None:
     with pytest.raises(ValueError) as caught:
-        Settings.from_env({"TORCHRING_SHM_CHUNK_KB": "abc"})
-    assert str(caught.value) == ("TORCHRING_SHM_CHUNK_KB='abc': expected an integer number of KiB "
+        Settings.from_env({"TORCHRING_SHM_SEGMENT_KB": "abc"})
+    assert str(caught.value) == ("TORCHRING_SHM_SEGMENT_KB='abc': expected an integer number of KiB "
                                  "in [4, 1048576]; unset it for the default 1024")
 
 

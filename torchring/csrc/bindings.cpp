@@ -1,5 +1,5 @@
-// The only file that knows about Python: binds the communicator and its handles.
-// Every call that can block releases the GIL.
+// The only file that knows about Python: binds the communicator, its options and handles,
+// the engine's exceptions and enums. Every call that can block releases the GIL.
 #include <torch/extension.h>
 
 #include <optional>
@@ -8,6 +8,7 @@
 
 #include "communicator.h"
 #include "grad_pool.h"
+#include "reduce.h"
 #ifdef TORCHRING_WITH_NCCL
 #include "cuda/nccl.h"
 #endif
@@ -21,21 +22,30 @@ using torchring::Work;
 
 namespace {
 
-std::shared_ptr<Communicator> makeCommunicator(int rank, int size,
-                                               std::vector<std::vector<int>> hosts,
-                                               double timeout, size_t chunkBytes,
-                                               size_t arenaBytes, int spinIters,
-                                               std::string secret) {
-  CommOptions o;
-  o.rank = rank;
-  o.size = size;
-  o.hosts = std::move(hosts);
-  o.timeoutSec = timeout;
-  o.chunkBytes = chunkBytes;
-  o.arenaBytes = arenaBytes;
-  o.spinIters = spinIters;
-  o.secret = std::move(secret);
-  return std::make_shared<Communicator>(std::move(o));
+// Raises the Python class of torchring._errors named `name` with `what` as its message.
+void raise(const char* name, const char* what) {
+  py::object cls = py::module_::import("torchring._errors").attr(name);
+  PyErr_SetString(cls.ptr(), what);
+}
+
+// Test-only: reduceInto over whole tensors, so unit tests check the kernels' rounding and
+// NaN/inf handling against torch without a communicator. dst = srcs[0] op srcs[1] ... .
+void reduceTensors(at::Tensor dst, const std::vector<at::Tensor>& srcs, int op, double scale) {
+  TORCH_CHECK(!srcs.empty(), "reduce_tensors: srcs is empty");
+  std::vector<const void*> ptrs;
+  for (const auto& t : srcs) {
+    TORCH_CHECK(t.is_contiguous() && t.device().is_cpu() && t.scalar_type() == dst.scalar_type() &&
+                    t.numel() == dst.numel(),
+                "reduce_tensors: every source must be a contiguous CPU tensor like dst (",
+                dst.scalar_type(), "[", dst.numel(), "]), got ", t.scalar_type(), "[", t.numel(), "]");
+    ptrs.push_back(t.data_ptr());
+  }
+  TORCH_CHECK(dst.is_contiguous() && dst.device().is_cpu(), "reduce_tensors: dst must be a contiguous CPU tensor");
+  TORCH_CHECK(op >= 0 && op < torchring::kNumReduceOps && op != static_cast<int>(ReduceOp::AVG),
+              "reduce_tensors: op must be SUM, MIN, MAX or PRODUCT (AVG is SUM with scale), got ", op);
+  torchring::reduceInto(dst.data_ptr(), nullptr, ptrs.data(), static_cast<int>(ptrs.size()),
+                        static_cast<size_t>(dst.numel()), torchring::toDType(dst.scalar_type()),
+                        static_cast<ReduceOp>(op), scale);
 }
 
 py::dict buildInfo() {
@@ -61,16 +71,38 @@ py::dict buildInfo() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "torchring engine";
-  // Engine failures become torchring.TorchringError, a class that exists before any build.
+  // Engine exceptions become the classes of the same role in torchring._errors (which exist
+  // before any build); most derived first.
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
+    } catch (const torchring::MismatchError& e) {
+      raise("CollectiveMismatchError", e.what());
+    } catch (const torchring::CommFailedError& e) {
+      raise("CommunicatorFailedError", e.what());
+    } catch (const torchring::WaitTimeoutError& e) {
+      raise("WaitTimeoutError", e.what());
     } catch (const torchring::TorchringError& e) {
-      py::object cls = py::module_::import("torchring._errors").attr("TorchringError");
-      PyErr_SetString(cls.ptr(), e.what());
+      raise("TorchringError", e.what());
     }
   });
   m.def("build_info", &buildInfo);
+
+  // The engine's enums by name and value; torchring._types checks its mirror against them.
+  py::dict reduceOps, opKinds;
+  for (int i = 0; i < torchring::kNumReduceOps; ++i) {
+    reduceOps[torchring::opName(static_cast<ReduceOp>(i))] = i;
+  }
+  for (int i = 0; i < torchring::kNumOpKinds; ++i) {
+    opKinds[py::str(torchring::kindName(static_cast<OpKind>(i))).attr("upper")()] = i;
+  }
+  py::list dtypes;
+  for (int i = 0; i < torchring::kNumDTypes; ++i) dtypes.append(torchring::dtypeName(static_cast<torchring::DType>(i)));
+  m.attr("REDUCE_OPS") = reduceOps;
+  m.attr("OP_KINDS") = opKinds;
+  m.attr("DTYPES") = dtypes;
+  m.def("reduce_tensors", &reduceTensors, py::arg("dst"), py::arg("srcs"), py::arg("op"),
+        py::arg("scale") = 1.0, "Test-only: dst = srcs[0] op srcs[1] ... with the engine's kernels.");
 
   namespace gradpool = torchring::gradpool;
   m.def("grad_pool_install", &gradpool::install, py::arg("limit_bytes"));
@@ -91,15 +123,38 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return d;
   });
 
+  // One handle type for every path (NcclWork derives from it); virtual wait/synchronize.
+  py::class_<Work, std::shared_ptr<Work>>(m, "Work")
+      .def("wait", &Work::wait, py::arg("timeout") = 0.0, py::call_guard<py::gil_scoped_release>())
+      .def("synchronize", &Work::synchronize, py::arg("timeout") = 0.0,
+           py::call_guard<py::gil_scoped_release>())
+      .def("is_completed", &Work::isCompleted, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("seq", &Work::seq);
+
+  py::class_<CommOptions>(m, "CommOptions", "What a Communicator is made from (communicator.h).")
+      .def(py::init<>())
+      .def_readwrite("rank", &CommOptions::rank, "this process's rank in [0, size)")
+      .def_readwrite("size", &CommOptions::size, "number of ranks")
+      .def_readwrite("hosts", &CommOptions::hosts,
+                     "ranks of each host, hosts by smallest rank, ranks ascending; "
+                     "the first rank of a host is its leader")
+      .def_readwrite("timeout", &CommOptions::timeoutSec,
+                     "seconds an operation may make no progress before it fails")
+      .def_readwrite("segment_bytes", &CommOptions::segmentBytes,
+                     "shared-memory staging segment per rank (two per rank)")
+      .def_readwrite("arena_bytes", &CommOptions::arenaBytes,
+                     "virtual size of this rank's shared-memory arena; 0 for none")
+      .def_readwrite("spin_iters", &CommOptions::spinIters,
+                     "busy-wait iterations before a waiting rank sleeps")
+      .def_readwrite("secret", &CommOptions::secret, "per-job token every TCP handshake presents")
+      .def_readwrite("one_shot_bytes", &CommOptions::oneShotBytes,
+                     "internal, for tests: largest staged shared-memory allreduce run one-shot");
+
 #ifdef TORCHRING_WITH_NCCL
   using torchring::NcclComm;
   using torchring::NcclWork;
   m.def("nccl_unique_id", [] { return py::bytes(NcclComm::uniqueId()); });
-  py::class_<NcclWork, std::shared_ptr<NcclWork>>(m, "NcclWork")
-      .def("wait", &NcclWork::wait, py::call_guard<py::gil_scoped_release>())
-      .def("synchronize", &NcclWork::synchronize, py::arg("timeout") = 0.0,
-           py::call_guard<py::gil_scoped_release>())
-      .def("is_completed", &NcclWork::isCompleted);
+  py::class_<NcclWork, Work, std::shared_ptr<NcclWork>>(m, "NcclWork");
   py::class_<NcclComm, std::shared_ptr<NcclComm>>(m, "NcclComm")
       .def(py::init<int, int, int, std::string, double>(), py::arg("rank"), py::arg("size"),
            py::arg("device"), py::arg("unique_id"), py::arg("timeout"),
@@ -121,15 +176,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("close", &NcclComm::close, py::call_guard<py::gil_scoped_release>());
 #endif
 
-  py::class_<Work, std::shared_ptr<Work>>(m, "Work")
-      .def("wait", &Work::wait, py::arg("timeout") = 0.0, py::call_guard<py::gil_scoped_release>())
-      .def("is_completed", &Work::isCompleted)
-      .def_property_readonly("seq", &Work::seq);
 
   py::class_<Communicator, std::shared_ptr<Communicator>>(m, "Communicator")
-      .def(py::init(&makeCommunicator), py::arg("rank"), py::arg("size"), py::arg("hosts"),
-           py::arg("timeout"), py::arg("chunk_bytes"), py::arg("arena_bytes"),
-           py::arg("spin_iters"), py::arg("secret"))
+      .def(py::init<CommOptions>(), py::arg("options"))
       .def("create_shm", &Communicator::createShm, py::call_guard<py::gil_scoped_release>())
       .def("listen", &Communicator::listen, py::call_guard<py::gil_scoped_release>())
       .def("attach_shm", &Communicator::attachShm, py::call_guard<py::gil_scoped_release>())

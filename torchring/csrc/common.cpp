@@ -8,6 +8,10 @@
 
 namespace torchring {
 
+const char* const kRecoveryHint =
+    "the communicator failed: call torchring.shutdown() and torchring.init() on every rank to "
+    "start over (or let torchrun --max-restarts restart the job)";
+
 size_t elementSize(DType dtype) {
   switch (dtype) {
     case DType::F64:
@@ -47,19 +51,45 @@ const char* kindName(OpKind kind) {
   return i < 5 ? kNames[i] : "unknown-collective";
 }
 
+void OpHeader::setShape(const int64_t* sizes, int n) {
+  ndim = static_cast<uint8_t>(n);
+  for (int d = 0; d < n && d < kMaxDims; ++d) dims[d] = sizes[d];
+  if (n > kMaxDims) {
+    uint64_t hash = 1469598103934665603ull;  // FNV-1a over the dims that do not fit
+    for (int d = kMaxDims - 1; d < n; ++d) hash = (hash ^ static_cast<uint64_t>(sizes[d])) * 1099511628211ull;
+    dims[kMaxDims - 1] = static_cast<int64_t>(hash);
+  }
+}
+
 std::string OpHeader::describe() const {
   std::ostringstream out;
   auto k = static_cast<OpKind>(kind);
   if (k == OpKind::BARRIER) return "barrier";
-  out << dtypeName(static_cast<DType>(dtype)) << "[" << count << "]";
-  if (k == OpKind::ALLGATHER) out << " as " << rows << " rows of " << rowElems;
+  // The same spelling as Python's torchring._types.describe(): float32[10, 100].
+  out << dtypeName(static_cast<DType>(dtype)) << "[";
+  for (int d = 0; d < ndim && d < kMaxDims; ++d) {
+    if (d > 0) out << ", ";
+    if (d == kMaxDims - 1 && ndim > kMaxDims) {
+      out << "...";
+    } else {
+      out << dims[d];
+    }
+  }
+  out << "]";
   if (k == OpKind::ALLREDUCE || k == OpKind::REDUCE_SCATTER) {
     out << " " << opName(static_cast<ReduceOp>(op));
   }
   if (k == OpKind::BROADCAST) out << " root=" << root;
-  if (shapeHash != 0) out << " (shape #" << std::hex << (shapeHash & 0xffff) << std::dec << ")";
   out << (onGpu ? " on CUDA" : "");
   return out.str();
+}
+
+bool OpHeader::sameShape(const OpHeader& o, int fromDim) const {
+  if (ndim != o.ndim) return false;
+  for (int d = fromDim; d < ndim && d < kMaxDims; ++d) {
+    if (dims[d] != o.dims[d]) return false;
+  }
+  return true;
 }
 
 std::string OpHeader::label() const {
@@ -71,12 +101,12 @@ bool OpHeader::matches(const OpHeader& o) const {
   switch (static_cast<OpKind>(kind)) {
     case OpKind::BARRIER:
       return true;
-    case OpKind::ALLGATHER:
-      return dtype == o.dtype && rowElems == o.rowElems && shapeHash == o.shapeHash;
+    case OpKind::ALLGATHER:  // dim 0 may differ per rank; the rows' shape may not
+      return dtype == o.dtype && rowElems == o.rowElems && sameShape(o, 1);
     case OpKind::BROADCAST:
-      return dtype == o.dtype && count == o.count && root == o.root;
+      return dtype == o.dtype && count == o.count && root == o.root && sameShape(o, 0);
     default:
-      return dtype == o.dtype && count == o.count && op == o.op && shapeHash == o.shapeHash;
+      return dtype == o.dtype && count == o.count && op == o.op && sameShape(o, 0);
   }
 }
 

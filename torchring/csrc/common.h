@@ -10,17 +10,47 @@
 
 namespace torchring {
 
-// A recoverable failure of a collective: a dead or silent peer, a timeout, or ranks that
-// disagree on what to run. The communicator is unusable afterwards and must be rebuilt
-// (torchring.shutdown(); torchring.init()). Surfaces in Python as torchring.TorchringError.
+// The engine's exceptions (docs/errors.md). Each surfaces in Python as the class of the same
+// role in torchring/_errors.py; bindings.cpp maps them. Violated invariants are not among
+// them: those are TORCH_INTERNAL_ASSERTs.
+//
+// TorchringError: the base, and on its own a failure that leaves the communicator as it was
+// (a call in a forked child, an operation dropped or refused because of shutdown()).
 class TorchringError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };
 
+// The communicator failed and must be rebuilt (torchring.shutdown(); torchring.init()): a
+// dead or silent peer, a timeout, a broken connection. Every later operation fails too.
+class CommFailedError : public TorchringError {
+ public:
+  using TorchringError::TorchringError;
+};
+
+// Ranks issued different collectives (kind, dtype, shape, op or root) as one operation. Found
+// by the header exchange before any data moved, the same way on every rank: each rank fails
+// that operation with this error and the communicator stays usable for the next one.
+class MismatchError : public TorchringError {
+ public:
+  using TorchringError::TorchringError;
+};
+
+// Handle.wait(timeout) expired: the operation is still running and nothing is broken.
+class WaitTimeoutError : public TorchringError {
+ public:
+  using TorchringError::TorchringError;
+};
+
+// How every CommFailedError ends: what to do about it.
+extern const char* const kRecoveryHint;
+
+// Python's torchring._types mirrors these three; it checks them against the names and values
+// bindings.cpp publishes (REDUCE_OPS, DTYPES, OP_KINDS) when the engine loads.
 enum class ReduceOp : uint8_t { SUM = 0, AVG = 1, MIN = 2, MAX = 3, PRODUCT = 4 };
 enum class DType : uint8_t { F32 = 0, F64, F16, BF16, I8, U8, I32, I64, BOOL };
 enum class OpKind : uint8_t { ALLREDUCE = 0, BROADCAST, ALLGATHER, REDUCE_SCATTER, BARRIER };
+constexpr int kNumReduceOps = 5, kNumDTypes = 9, kNumOpKinds = 5;
 
 size_t elementSize(DType dtype);
 const char* dtypeName(DType dtype);
@@ -32,24 +62,33 @@ const char* kindName(OpKind kind);
 // error on every rank instead of a hang or wrong numbers. Plain data: it is copied through
 // shared memory and sockets as bytes.
 struct OpHeader {
+  // Dims kept in the header; a tensor with more keeps the first kMaxDims - 1 and a hash of
+  // the rest in the last slot (compared exactly, shown as "...").
+  static constexpr int kMaxDims = 8;
+
   uint64_t seq = 0;          // operation sequence number, counted per process from 0
   uint64_t count = 0;        // elements this rank contributes
   uint64_t rowElems = 0;     // allgather: elements per dim-0 row (must match); else 0
   uint64_t rows = 0;         // allgather: dim-0 size of this rank's tensor (may differ)
-  uint64_t shapeHash = 0;    // allgather: trailing dims; reduce_scatter: all dims (must match)
+  int64_t dims[kMaxDims] = {};  // the tensor's shape (see kMaxDims), compared across ranks
   int64_t arenaOffset = -1;  // byte offset of the tensor in this rank's shm arena, -1 if none
   uint8_t kind = 0;          // OpKind
   uint8_t dtype = 0;         // DType
   uint8_t op = 0;            // ReduceOp (allreduce, reduce_scatter)
-  uint8_t onGpu = 0;          // 1: the NCCL path moves the data; the engine only compares
+  uint8_t onGpu = 0;         // 1: the NCCL path moves the data; the engine only compares
+  uint8_t ndim = 0;          // the tensor's number of dims (0: a scalar, or no tensor)
   int32_t root = -1;         // broadcast source rank
 
-  // "float32[1000] SUM", "float32[1000] root=2": the words used in mismatch errors.
+  // Fills ndim and dims from a tensor's sizes.
+  void setShape(const int64_t* sizes, int n);
+  // "float32[10, 100] SUM", "float32[1000] root=2", "barrier": the words of every message.
   std::string describe() const;
   // "allreduce #17": how messages name the operation.
   std::string label() const;
   // True when the two headers describe the same collective (per-rank fields ignored).
   bool matches(const OpHeader& other) const;
+  // True when both have the same number of dims and equal dims from `fromDim` on.
+  bool sameShape(const OpHeader& other, int fromDim) const;
 };
 
 // How many fork()s separate this process from the one the engine was loaded in (0 there,

@@ -26,43 +26,6 @@ DType toDType(at::ScalarType type) {
   }
 }
 
-bool Work::isCompleted() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return done_;
-}
-
-at::Tensor Work::wait(double timeoutSec) {
-  std::unique_lock<std::mutex> lock(mutex_);
-  if (timeoutSec > 0) {
-    auto limit = std::chrono::duration<double>(timeoutSec);
-    if (!cv_.wait_for(lock, limit, [&] { return done_; })) {
-      std::ostringstream msg;
-      msg << "rank " << rank_ << ": " << kindName(kind_) << " #" << seq_ << ": Handle.wait(timeout=" << timeoutSec
-          << ") expired; the operation is still running (wait again, or raise the timeout)";
-      throw TorchringError(msg.str());
-    }
-  } else {
-    cv_.wait(lock, [&] { return done_; });
-  }
-  if (!error_.empty()) throw TorchringError(error_);
-  return result_;
-}
-
-std::string Work::error() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return error_;
-}
-
-void Work::finish(at::Tensor result, std::string error) {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    result_ = std::move(result);
-    error_ = std::move(error);
-    done_ = true;
-  }
-  cv_.notify_all();
-}
-
 Communicator::Communicator(CommOptions options)
     : opt_(std::move(options)), forkGeneration_(forkGeneration()) {
   rankHost_.assign(opt_.size, -1);
@@ -88,7 +51,8 @@ Communicator::Communicator(CommOptions options)
     so.worldSize = opt_.size;
     so.localRanks = opt_.hosts[hostIndex_];
     so.localIndex = localIndex_;
-    so.chunkBytes = opt_.chunkBytes;
+    so.segmentBytes = opt_.segmentBytes;
+    so.oneShotBytes = opt_.oneShotBytes;
     so.arenaBytes = opt_.arenaBytes;
     so.timeoutSec = opt_.timeoutSec;
     so.spinIters = opt_.spinIters;
@@ -194,8 +158,9 @@ void Communicator::shutdown() {
     cv_.wait(lock, [&] { return !busy_; });
   }
   for (auto& op : dropped) {
-    op.work->finish({}, "rank " + std::to_string(opt_.rank) + ": " + op.header.label() +
-                            " was not run: torchring.shutdown() was called while it was queued");
+    op.work->finish({}, std::make_exception_ptr(TorchringError(
+                            rankText() + ": " + op.header.label() +
+                            " was not run: torchring.shutdown() was called while it was queued")));
   }
   if (worker_.joinable()) worker_.join();
   if (tcp_) tcp_->close();
@@ -210,13 +175,7 @@ OpHeader Communicator::makeHeader(OpKind kind, const at::Tensor& tensor, ReduceO
   if (!tensor.defined()) return header;
   header.dtype = static_cast<uint8_t>(toDType(tensor.scalar_type()));
   header.count = static_cast<uint64_t>(tensor.numel());
-  if (kind == OpKind::ALLGATHER || kind == OpKind::REDUCE_SCATTER) {
-    uint64_t hash = 1469598103934665603ull;  // FNV-1a over the dims that must agree
-    for (int d = kind == OpKind::ALLGATHER ? 1 : 0; d < tensor.dim(); ++d) {
-      hash = (hash ^ static_cast<uint64_t>(tensor.size(d))) * 1099511628211ull;
-    }
-    header.shapeHash = hash | 1;  // never 0, which means "not compared"
-  }
+  header.setShape(tensor.sizes().data(), static_cast<int>(tensor.dim()));
   if (kind == OpKind::ALLGATHER) {
     header.rows = tensor.dim() > 0 ? static_cast<uint64_t>(tensor.size(0)) : 1;
     header.rowElems = 1;
@@ -259,18 +218,13 @@ std::shared_ptr<Work> Communicator::enqueue(Op item, bool runInline) {
   auto work = item.work;
   if (stopping_) {
     lock.unlock();
-    work->finish({}, "rank " + std::to_string(opt_.rank) + ": " + kindName(kind) +
-                         ": torchring was shut down; call torchring.init() first");
+    work->finish({}, std::make_exception_ptr(TorchringError(
+                         rankText() + ": " + kindName(kind) +
+                         ": torchring was shut down; call torchring.init() first")));
     return work;
   }
   if (runInline && queue_.empty() && !busy_) {
-    busy_ = true;
-    lock.unlock();
-    execute(item);
-    lock.lock();
-    busy_ = false;
-    lock.unlock();
-    cv_.notify_all();
+    runExclusive(item, lock);
     return work;
   }
   queue_.push_back(std::move(item));
@@ -286,51 +240,64 @@ void Communicator::workerLoop() {
     if (stopping_) return;
     Op op = std::move(queue_.front());
     queue_.pop_front();
-    busy_ = true;
-    lock.unlock();
-    execute(op);
-    lock.lock();
-    busy_ = false;
-    cv_.notify_all();
+    runExclusive(op, lock);
   }
 }
 
-std::string Communicator::failedMessage(const OpHeader& header) const {
-  return "rank " + std::to_string(opt_.rank) + ": " + header.label() + " was not run because the communicator failed earlier: " + failure_ +
-         " -- call torchring.shutdown() and torchring.init() to start over";
+void Communicator::runExclusive(Op& op, std::unique_lock<std::mutex>& lock) {
+  busy_ = true;
+  lock.unlock();
+  execute(op);
+  lock.lock();
+  busy_ = false;
+  cv_.notify_all();  // shutdown() may wait for busy_ to clear; the worker for a free slot
 }
 
+std::string Communicator::failedMessage(const OpHeader& header) const {
+  return rankText() + ": " + header.label() + " was not run because the communicator failed earlier: " +
+         failure_;
+}
+
+// Runs one operation and completes its handle. A mismatch (thrown by checkHeaders, after the
+// header exchange and before any data moved) fails only this operation: every rank saw the
+// same table of headers, so every rank fails it the same way and the next operation starts
+// from the same state everywhere. Any other failure fails the communicator: the peers are
+// told (shared-memory abort, ring sockets closed, failure board), and every later operation
+// reports the first failure.
 void Communicator::execute(Op& op) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!failure_.empty()) {
-      op.work->finish({}, failedMessage(op.header));
+      op.work->finish({}, std::make_exception_ptr(CommFailedError(failedMessage(op.header))));
       return;
     }
   }
-  std::string error;
+  std::exception_ptr error;
+  std::string failure;
   at::Tensor result;
   try {
     result = run(op);
+  } catch (const MismatchError&) {
+    if (shm_) shm_->markDone(op.header.seq);
+    error = std::current_exception();
   } catch (const std::exception& e) {
-    error = e.what();
+    failure = e.what();
   }
-  if (!error.empty()) {
+  if (!failure.empty()) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (failure_.empty()) failure_ = error;
+      if (failure_.empty()) failure_ = failure + "; " + kRecoveryHint;
     }
-    // Tell the peers: the host's group sees the abort at once, other hosts see the ring's
-    // sockets close, fail, and close theirs in turn.
-    if (shm_) shm_->abort(error);
+    if (shm_) shm_->abort(failure);
     if (tcp_) tcp_->close();
     try {
-      if (board_.post) board_.post(opt_.rank, error);
+      if (board_.post) board_.post(opt_.rank, failure);
     } catch (const std::exception&) {
     }
+    error = std::make_exception_ptr(CommFailedError(failure + "; " + kRecoveryHint));
   }
   op.tensor = at::Tensor();
-  op.work->finish(std::move(result), std::move(error));
+  op.work->finish(std::move(result), error);
 }
 
 at::Tensor Communicator::run(Op& op) {
@@ -387,119 +354,22 @@ std::vector<OpHeader> Communicator::exchangeHeaders(const OpHeader& header) {
   return all;
 }
 
+// Compares every rank's header with rank 0's. Every rank holds the same table, so every
+// rank throws the same MismatchError, naming the first rank that differs and what each sent.
 void Communicator::checkHeaders(const std::vector<OpHeader>& headers) const {
   const OpHeader& first = headers[0];
   for (int r = 1; r < opt_.size; ++r) {
     const OpHeader& other = headers[r];
     if (other.matches(first)) continue;
     std::ostringstream msg;
-    if (first.kind == other.kind) {
-      msg << first.label() << ": rank 0 sent "
-          << first.describe() << ", rank " << r << " sent " << other.describe();
-    } else {
-      msg << "collective #" << first.seq << ": rank 0 sent "
-          << kindName(static_cast<OpKind>(first.kind)) << " " << first.describe() << ", rank "
-          << r << " sent " << kindName(static_cast<OpKind>(other.kind)) << " "
-          << other.describe();
-    }
-    msg << " (seen by rank " << opt_.rank
-        << "); every rank must issue the same collectives in the same order with the same "
-           "element count, dtype, op and root";
-    throw TorchringError(msg.str());
+    msg << rankText() << ": collective #" << first.seq << " does not match across ranks: rank 0 sent "
+        << kindName(static_cast<OpKind>(first.kind)) << " " << first.describe() << ", rank " << r
+        << " sent " << kindName(static_cast<OpKind>(other.kind)) << " " << other.describe()
+        << "; every rank must issue the same collectives in the same order with the same dtype, "
+           "shape, op and root (allgather: dim 0 may differ). Nothing was sent: this operation "
+           "failed on every rank and the next collective runs normally";
+    throw MismatchError(msg.str());
   }
-}
-
-void Communicator::allreduce(char* data, const OpHeader& header,
-                             const std::vector<OpHeader>& headers) {
-  const auto dtype = static_cast<DType>(header.dtype);
-  auto op = static_cast<ReduceOp>(header.op);
-  const double scale = op == ReduceOp::AVG ? 1.0 / opt_.size : 1.0;
-  if (op == ReduceOp::AVG) op = ReduceOp::SUM;
-  const size_t count = header.count;
-  if (numHosts() == 1) {
-    if (shm_) shm_->allreduce(data, count, dtype, op, scale, headers);
-    else if (scale != 1.0) scaleInPlace(data, count, dtype, scale);
-    return;
-  }
-  // Several hosts: reduce within the host, ring among the leaders (which applies `scale`
-  // once), then each leader hands the result to its host.
-  if (isHalfFloat(dtype) && shm_) {
-    std::vector<float> hostSum(isLeader() ? count : 0);
-    shm_->reduceToLeader(data, count, dtype, op, hostSum.data());
-    if (tcp_) tcp_->allreduce(data, count, dtype, op, scale, hostSum.data());
-  } else {
-    if (shm_) shm_->allreduce(data, count, dtype, op, 1.0, headers);
-    if (tcp_) tcp_->allreduce(data, count, dtype, op, scale);
-  }
-  if (shm_) shm_->broadcast(data, count * elementSize(dtype), 0);
-}
-
-// This rank's rows [rank*m, (rank+1)*m) of the reduction, m = dim 0 / size, as a new tensor;
-// `input` is left alone. One host: the shared-memory reduce-scatter, which moves a block per
-// rank instead of the whole tensor. Otherwise an allreduce of a copy, keeping this rank's rows.
-at::Tensor Communicator::reduceScatter(const at::Tensor& input, const OpHeader& header,
-                                       const std::vector<OpHeader>& headers) {
-  const int64_t rows = input.size(0) / opt_.size;
-  std::vector<int64_t> sizes = input.sizes().vec();
-  sizes[0] = rows;
-  if (numHosts() == 1 && shm_) {
-    at::Tensor out = at::empty(sizes, input.options());
-    auto op = static_cast<ReduceOp>(header.op);
-    const double scale = op == ReduceOp::AVG ? 1.0 / opt_.size : 1.0;
-    shm_->reduceScatter(static_cast<const char*>(input.data_ptr()), static_cast<char*>(out.data_ptr()),
-                        header.count, static_cast<DType>(header.dtype),
-                        op == ReduceOp::AVG ? ReduceOp::SUM : op, scale);
-    return out;
-  }
-  at::Tensor full = input.clone();
-  allreduce(static_cast<char*>(full.data_ptr()), header, headers);
-  return full.narrow(0, opt_.rank * rows, rows).clone();
-}
-
-// Broadcast: first within the root's host, then among leaders, then within other hosts.
-void Communicator::broadcast(char* data, size_t bytes, int root) {
-  const int rootHost = rankHost_[root];
-  if (shm_ && hostIndex_ == rootHost) shm_->broadcast(data, bytes, rankLocal_[root]);
-  if (numHosts() == 1) return;
-  if (tcp_) tcp_->broadcast(data, bytes, rootHost);
-  if (shm_ && hostIndex_ != rootHost) shm_->broadcast(data, bytes, 0);
-}
-
-// Allgather with a different dim-0 size per rank: gather within the host, exchange whole
-// host blocks around the leaders' ring, then the leader hands the full result to its host.
-at::Tensor Communicator::allgather(const at::Tensor& input, const std::vector<OpHeader>& headers) {
-  const size_t esize = input.element_size();
-  std::vector<size_t> offset(opt_.size + 1, 0);
-  int64_t rows = 0;
-  for (int r = 0; r < opt_.size; ++r) {
-    offset[r + 1] = offset[r] + headers[r].count * esize;
-    rows += static_cast<int64_t>(headers[r].rows);
-  }
-  std::vector<int64_t> sizes = input.sizes().vec();
-  if (sizes.empty()) sizes.push_back(1);
-  sizes[0] = rows;
-  at::Tensor out = at::empty(sizes, input.options());
-  char* dst = static_cast<char*>(out.data_ptr());
-  const char* src = static_cast<const char*>(input.data_ptr());
-  const auto& local = opt_.hosts[hostIndex_];
-  if (shm_) {
-    std::vector<std::pair<size_t, size_t>> pieces;
-    for (int r : local) pieces.emplace_back(offset[r], offset[r + 1] - offset[r]);
-    shm_->allgather(src, dst, pieces);
-  } else {
-    std::memcpy(dst + offset[opt_.rank], src, offset[opt_.rank + 1] - offset[opt_.rank]);
-  }
-  if (numHosts() > 1) {
-    if (tcp_) {
-      std::vector<std::vector<Span>> blocks(numHosts());
-      for (int h = 0; h < numHosts(); ++h) {
-        for (int r : opt_.hosts[h]) blocks[h].push_back({dst + offset[r], offset[r + 1] - offset[r]});
-      }
-      tcp_->allgather(blocks);
-    }
-    if (shm_) shm_->broadcast(dst, offset[opt_.size], 0);
-  }
-  return out;
 }
 
 at::Tensor Communicator::emptyShared(at::IntArrayRef sizes, at::ScalarType dtype) {

@@ -1,11 +1,14 @@
 // The per-process communicator: topology, an ordered queue of collectives, the progress
-// thread that runs them, and the handles (Work) that callers wait on.
+// thread that runs them, and how the transports combine. communicator.cpp holds the queue,
+// the header checks and failure handling; hierarchy.cpp the algorithms that compose the
+// shared-memory group and the TCP ring (within a host, then between hosts).
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <condition_variable>
 #include <deque>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -14,45 +17,38 @@
 #include <vector>
 
 #include "common.h"
-#include "shm.h"
+#include "shm/group.h"
 #include "tcp.h"
+#include "work.h"
 
 namespace torchring {
 
+// Everything a communicator is made from; Python fills it (bindings.cpp binds each field)
+// from the rendezvous and torchring's settings.
 struct CommOptions {
+  // This process's rank in [0, size), and the number of ranks.
   int rank = 0;
   int size = 1;
   // Ranks of each host, hosts ordered by their smallest rank, ranks ascending. The first
   // rank of a host is its leader: the only one that talks TCP to other hosts.
   std::vector<std::vector<int>> hosts;
+  // Seconds a rendezvous step or a collective may make no progress before it fails.
   double timeoutSec = 300;
-  size_t chunkBytes = 1 << 20;
+  // Shared-memory staging segment per rank (two of them: double buffering); a message
+  // larger than this moves in several segments. Tests set it small to reach those paths.
+  size_t segmentBytes = kDefaultSegmentBytes;
+  // Virtual size of this rank's shared-memory arena (torchring.empty); 0 for none.
   size_t arenaBytes = 0;
+  // Busy-wait iterations before a waiting rank sleeps on a futex.
   int spinIters = 20000;
+  // Internal, for tests: the largest staged shared-memory allreduce that runs one-shot
+  // (every rank reduces all of it). Tests set it to 0 to reach the chunked path with small
+  // tensors, as segmentBytes (at least a page) reaches the multi-segment paths.
+  size_t oneShotBytes = ShmOptions::kDefaultOneShotBytes;
+  // Random per-job token every TCP handshake must present.
   std::string secret;
-};
 
-// Completion handle of one queued collective.
-class Work {
- public:
-  Work(OpKind kind, uint64_t seq, int rank) : kind_(kind), seq_(seq), rank_(rank) {}
-  bool isCompleted();
-  // Blocks until done (timeoutSec <= 0: no limit) and rethrows the operation's failure.
-  at::Tensor wait(double timeoutSec);
-  void finish(at::Tensor result, std::string error);
-  // The failure of a completed operation; "" while it runs or when it succeeded.
-  std::string error();
-  uint64_t seq() const { return seq_; }
-
- private:
-  OpKind kind_;
-  uint64_t seq_;
-  int rank_;
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  bool done_ = false;
-  std::string error_;
-  at::Tensor result_;
+  static constexpr size_t kDefaultSegmentBytes = 1 << 20;
 };
 
 // Optional side channel through the rendezvous store: a failing rank posts its message, and
@@ -107,6 +103,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   OpHeader makeHeader(OpKind kind, const at::Tensor& tensor, ReduceOp op, int root) const;
   std::shared_ptr<Work> enqueue(Op item, bool runInline);
   void workerLoop();
+  // Runs `op` with busy_ set (the one operation in flight); `lock` holds mutex_ on entry and
+  // on return, and is released while the operation runs.
+  void runExclusive(Op& op, std::unique_lock<std::mutex>& lock);
   void execute(Op& op);
   at::Tensor run(Op& op);
   std::vector<OpHeader> exchangeHeaders(const OpHeader& header);
@@ -117,6 +116,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   at::Tensor reduceScatter(const at::Tensor& input, const OpHeader& header,
                            const std::vector<OpHeader>& headers);
   std::string failedMessage(const OpHeader& header) const;
+  std::string rankText() const { return "rank " + std::to_string(opt_.rank); }
   std::string explainPeer(int peer, const std::string& message);
 
   CommOptions opt_;

@@ -81,13 +81,15 @@ struct Prod {
   template <typename A>
   static inline A apply(A a, A b) { return a * b; }
 };
+// MIN and MAX propagate NaN as torch.minimum/maximum do, whichever rank holds it (b != b
+// only for a NaN; the compiler drops it for integers, and it still vectorizes as a blend).
 struct Min {
   template <typename A>
-  static inline A apply(A a, A b) { return b < a ? b : a; }
+  static inline A apply(A a, A b) { return (b < a || b != b) ? b : a; }
 };
 struct Max {
   template <typename A>
-  static inline A apply(A a, A b) { return a < b ? b : a; }
+  static inline A apply(A a, A b) { return (a < b || b != b) ? b : a; }
 };
 
 template <typename T, typename Op>

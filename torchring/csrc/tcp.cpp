@@ -113,7 +113,7 @@ void TcpRing::interrupt() {
 int TcpRing::listen(const std::string& bindAddr) {
   listenFd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (listenFd_ < 0) {
-    throw TorchringError("rank " + std::to_string(opt_.rank) + ": socket() failed: " + std::strerror(errno));
+    throw CommFailedError("rank " + std::to_string(opt_.rank) + ": socket() failed: " + std::strerror(errno));
   }
   int one = 1;
   setsockopt(listenFd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
@@ -122,12 +122,12 @@ int TcpRing::listen(const std::string& bindAddr) {
   addr.sin_port = 0;
   addr.sin_addr.s_addr = htonl(INADDR_ANY);
   if (!bindAddr.empty() && inet_pton(AF_INET, bindAddr.c_str(), &addr.sin_addr) != 1) {
-    throw TorchringError("rank " + std::to_string(opt_.rank) + ": TORCHRING_BIND_ADDR '" +
+    throw CommFailedError("rank " + std::to_string(opt_.rank) + ": TORCHRING_BIND_ADDR '" +
                          bindAddr + "' is not an IPv4 address");
   }
   if (bind(listenFd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
       ::listen(listenFd_, 128) != 0) {
-    throw TorchringError("rank " + std::to_string(opt_.rank) + ": cannot listen on " +
+    throw CommFailedError("rank " + std::to_string(opt_.rank) + ": cannot listen on " +
                          (bindAddr.empty() ? "0.0.0.0" : bindAddr) + ": " + std::strerror(errno));
   }
   socklen_t len = sizeof(addr);
@@ -248,7 +248,7 @@ void TcpRing::fail(const std::string& why, bool left) const {
   }
   std::string text = msg.str();
   if (explain_) text += explain_(left ? opt_.leftRank : opt_.rightRank, text);
-  throw TorchringError(text);
+  throw CommFailedError(text);
 }
 
 void TcpRing::exchange(const std::vector<Span>& send, const std::vector<Span>& recv,

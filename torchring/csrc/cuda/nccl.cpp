@@ -40,18 +40,28 @@ ncclRedOp_t ncclOp(ReduceOp op) {
   return ncclSum;
 }
 
-std::string describe(const at::Tensor& t) {
+// "allreduce #17 float32[10, 100] SUM on cuda:0": the label and spelling of the engine's
+// header (the sequence number is the header check's), so both paths name an operation alike.
+std::string describe(const std::shared_ptr<Work>& check, const at::Tensor& t, ReduceOp op, int root) {
+  TORCH_INTERNAL_ASSERT(check, "an NCCL collective was launched without its header check");
+  OpHeader header;
+  header.kind = static_cast<uint8_t>(check->kind());
+  header.seq = check->seq();
+  header.dtype = static_cast<uint8_t>(toDType(t.scalar_type()));
+  header.op = static_cast<uint8_t>(op);
+  header.root = root;
+  header.setShape(t.sizes().data(), static_cast<int>(t.dim()));
   std::ostringstream out;
-  out << c10::toString(t.scalar_type()) << t.sizes() << " on " << t.device();
+  out << header.label() << " " << header.describe() << " on " << t.device();
   return out.str();
 }
 
 // Ends every message that aborts the communicator.
-constexpr char kAborted[] = "; the NCCL communicator is aborted: call torchring.shutdown() and torchring.init()";
+const std::string kAborted = std::string("; the NCCL communicator is aborted: ") + kRecoveryHint;
 
 void cudaCheck(cudaError_t result, const char* call) {
   if (result != cudaSuccess) {
-    throw TorchringError(std::string(call) + " failed: " + cudaGetErrorString(result));
+    throw CommFailedError(std::string(call) + " failed: " + cudaGetErrorString(result));
   }
 }
 
@@ -80,7 +90,7 @@ std::string NcclComm::uniqueId() {
   ncclUniqueId id;
   ncclResult_t result = ncclGetUniqueId(&id);
   if (result != ncclSuccess) {
-    throw TorchringError(std::string("ncclGetUniqueId failed: ") + ncclGetErrorString(result));
+    throw CommFailedError(std::string("ncclGetUniqueId failed: ") + ncclGetErrorString(result));
   }
   return std::string(id.internal, sizeof(id.internal));
 }
@@ -197,7 +207,7 @@ void NcclComm::check(ncclResult_t result, const std::string& call, const std::st
   if (last != nullptr && *last) msg << " (" << last << ")";
   msg << kAborted;
   abortLocked(msg.str());
-  throw TorchringError(msg.str());
+  throw CommFailedError(msg.str());
 }
 
 void NcclComm::waitEnqueued(const std::string& call, const std::string& what) {
@@ -212,7 +222,7 @@ void NcclComm::waitEnqueued(const std::string& call, const std::string& what) {
       msg << "rank " << rank_ << ": " << call << " for " << what << " timed out after " << timeoutSec_
           << " s (a rank did not take part; TORCHRING_TIMEOUT)";
       abortLocked(msg.str());
-      throw TorchringError(msg.str());
+      throw CommFailedError(msg.str());
     }
     std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
@@ -221,7 +231,7 @@ void NcclComm::waitEnqueued(const std::string& call, const std::string& what) {
 void NcclComm::checkAsyncError(const std::string& what) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (aborted_) {
-    throw TorchringError("rank " + std::to_string(rank_) + ": " + what +
+    throw CommFailedError("rank " + std::to_string(rank_) + ": " + what +
                          ": the NCCL communicator failed earlier: " + failure_);
   }
   ncclResult_t state = ncclSuccess;
@@ -329,7 +339,7 @@ std::shared_ptr<NcclWork> NcclComm::launch(const std::string& call, const std::s
   auto current = c10::cuda::getCurrentCUDAStream(device_);
   std::lock_guard<std::mutex> lock(mutex_);
   if (aborted_) {
-    throw TorchringError("rank " + std::to_string(rank_) + ": " + what +
+    throw CommFailedError("rank " + std::to_string(rank_) + ": " + what +
                          ": the NCCL communicator failed earlier: " + failure_);
   }
   Event ready;
@@ -347,14 +357,14 @@ std::shared_ptr<NcclWork> NcclComm::launch(const std::string& call, const std::s
 }
 
 std::shared_ptr<NcclWork> NcclComm::allreduce(at::Tensor t, ReduceOp op, std::shared_ptr<Work> headerCheck) {
-  std::string what = "allreduce #" + std::to_string(seq_++) + " " + describe(t);
+  std::string what = describe(headerCheck, t, op, -1);
   return launch("ncclAllReduce", what, {t}, t, std::move(headerCheck), [&](cudaStream_t s) {
     return ncclAllReduce(t.data_ptr(), t.data_ptr(), t.numel(), ncclType(t.scalar_type()), ncclOp(op), comm_, s);
   });
 }
 
 std::shared_ptr<NcclWork> NcclComm::broadcast(at::Tensor t, int root, std::shared_ptr<Work> headerCheck) {
-  std::string what = "broadcast #" + std::to_string(seq_++) + " " + describe(t) + " root=" + std::to_string(root);
+  std::string what = describe(headerCheck, t, ReduceOp::SUM, root);
   return launch("ncclBroadcast", what, {t}, t, std::move(headerCheck), [&](cudaStream_t s) {
     return ncclBroadcast(t.data_ptr(), t.data_ptr(), t.numel(), ncclType(t.scalar_type()), root, comm_, s);
   });
@@ -371,7 +381,7 @@ std::shared_ptr<NcclWork> NcclComm::allgather(at::Tensor t, const std::vector<in
   at::Tensor out = at::empty(sizes, t.options());
   int64_t rowElems = 1;  // from the trailing dims: right even when this rank has 0 rows
   for (int64_t d = 1; d < t.dim(); ++d) rowElems *= t.size(d);
-  std::string what = "allgather #" + std::to_string(seq_++) + " " + describe(t);
+  std::string what = describe(headerCheck, t, ReduceOp::SUM, -1);
   const ncclDataType_t type = ncclType(t.scalar_type());  // may throw: not inside the group
   return launch("ncclBroadcast (grouped allgather)", what, {t, out}, out, std::move(headerCheck),
                 [&](cudaStream_t s) {
@@ -392,12 +402,18 @@ std::shared_ptr<NcclWork> NcclComm::reduceScatter(at::Tensor t, ReduceOp op, std
   std::vector<int64_t> sizes = t.sizes().vec();
   sizes[0] /= size_;
   at::Tensor out = at::empty(sizes, t.options());
-  std::string what = "reduce_scatter #" + std::to_string(seq_++) + " " + describe(t);
+  std::string what = describe(headerCheck, t, op, -1);
   return launch("ncclReduceScatter", what, {t, out}, out, std::move(headerCheck), [&](cudaStream_t s) {
     return ncclReduceScatter(t.data_ptr(), out.data_ptr(), out.numel(), ncclType(t.scalar_type()),
                              ncclOp(op), comm_, s);
   });
 }
+
+NcclWork::NcclWork(std::shared_ptr<NcclComm> comm, std::shared_ptr<Event> done,
+                   std::shared_ptr<Work> check, at::Tensor result, std::string what)
+    : Work(check->kind(), check->seq(), comm->rank()), comm_(std::move(comm)),
+      done_(std::move(done)), check_(std::move(check)), result_(std::move(result)),
+      what_(std::move(what)) {}
 
 bool NcclWork::isCompleted() { return done_->query() && (!check_ || check_->isCompleted()); }
 
@@ -409,10 +425,11 @@ void NcclWork::failIfCheckFailed() {
   if (error.empty()) return;
   std::string why = "rank " + std::to_string(comm_->rank()) + ": " + what_ + " cannot run on NCCL: " + error;
   comm_->abort(why);
-  throw TorchringError(why);
+  throw CommFailedError(why + kAborted);
 }
 
-at::Tensor NcclWork::wait() {
+at::Tensor NcclWork::wait(double timeoutSec) {
+  if (timeoutSec > 0) synchronize(timeoutSec);
   failIfCheckFailed();
   comm_->checkAsyncError(what_);
   done_->block(c10::cuda::getCurrentCUDAStream(comm_->device()).stream());
@@ -430,7 +447,7 @@ at::Tensor NcclWork::synchronize(double timeoutSec) {
       msg << "rank " << comm_->rank() << ": " << what_ << " did not complete within " << timeoutSec
           << " s (a rank is missing or stuck); the NCCL communicator is aborted";
       comm_->abort(msg.str());
-      throw TorchringError(msg.str());
+      throw CommFailedError(msg.str() + ": " + kRecoveryHint);
     }
     std::this_thread::sleep_for(std::chrono::microseconds(20));
   }

@@ -17,6 +17,7 @@
 
 #include "../common.h"
 #include "../communicator.h"
+#include "../work.h"
 
 namespace torchring {
 
@@ -38,21 +39,21 @@ class Event {
   cudaEvent_t event_ = nullptr;
 };
 
-// A collective in flight on the NCCL stream, with the engine's header check of it.
-class NcclWork {
+// A collective in flight on the NCCL stream, with the engine's header check of it. It is a
+// Work (same sequence number as its check) so Python holds one kind of handle.
+class NcclWork : public Work {
  public:
   NcclWork(std::shared_ptr<NcclComm> comm, std::shared_ptr<Event> done,
-           std::shared_ptr<Work> check, at::Tensor result, std::string what)
-      : comm_(std::move(comm)), done_(std::move(done)), check_(std::move(check)),
-        result_(std::move(result)), what_(std::move(what)) {}
-  bool isCompleted();
-  // Makes the caller's current stream wait for the collective; the host does not block.
-  // Raises if the communicator failed (an NCCL error, the watchdog's timeout, or ranks that
-  // disagreed on this or an earlier collective).
-  at::Tensor wait();
+           std::shared_ptr<Work> check, at::Tensor result, std::string what);
+  bool isCompleted() override;
+  // Makes the caller's current stream wait for the collective; the host does not block
+  // (with timeoutSec > 0 it first synchronizes, up to that long). Raises CommFailedError if
+  // the communicator failed (an NCCL error, the watchdog's timeout, or ranks that disagreed
+  // on this or an earlier collective: NCCL had launched it, so NCCL is aborted).
+  at::Tensor wait(double timeoutSec) override;
   // Blocks the host until done, and until the ranks' headers were compared; an NCCL error,
   // a mismatch or `timeoutSec` without completion aborts the communicator and raises.
-  at::Tensor synchronize(double timeoutSec);
+  at::Tensor synchronize(double timeoutSec) override;
 
  private:
   void failIfCheckFailed();
@@ -84,7 +85,7 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   // Input rows split evenly over the ranks; returns this rank's reduced block.
   std::shared_ptr<NcclWork> reduceScatter(at::Tensor tensor, ReduceOp op, std::shared_ptr<Work> check);
 
-  // Raises TorchringError if the communicator failed or NCCL reported an asynchronous error
+  // Raises CommFailedError if the communicator failed or NCCL reported an asynchronous error
   // (then the communicator is aborted).
   void checkAsyncError(const std::string& what);
   // Marks the communicator failed with `why` (later calls raise it) and has the watchdog
@@ -131,7 +132,6 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   double timeoutSec_;
   ncclComm_t comm_ = nullptr;
   c10::cuda::CUDAStream stream_;
-  std::atomic<uint64_t> seq_{0};
 
   std::mutex mutex_;  // NCCL calls on comm_, and everything below
   std::condition_variable cv_;

@@ -1,76 +1,55 @@
-// Shared-memory transport between the ranks of one host ("the local group").
+// Shared-memory transport between the ranks of one host ("the local group"): the ShmGroup
+// and its options. Its members are defined by concern in this folder: group.cpp (region
+// layout, create/attach/unlink, header tables), sync.cpp (arrive/wait, abort, dead-peer and
+// timeout detection), allreduce.cpp and collectives.cpp (the algorithms).
+//
+// Vocabulary (gloo's): a *chunk* is one rank's share of a message (the part it reduces, or
+// contributes to an allgather); a *segment* is the pipelining unit, what one staging buffer
+// holds at once (segmentBytes). The shared memory a rank owns is its *region*.
 #pragma once
 
-#include <atomic>
-#include <map>
+#include <cstddef>
+#include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
-#include "common.h"
+#include "../common.h"
+#include "arena.h"
 
 namespace torchring {
-
-// One mapped shared-memory segment; unmapped when the last owner (the group, or a tensor
-// allocated from its arena) lets go.
-struct Mapping {
-  char* base = nullptr;
-  size_t bytes = 0;
-  int fd = -1;
-  ~Mapping();
-};
-
-// A first-fit allocator over the arena part of this rank's segment. Pages are committed
-// with posix_fallocate when a range is handed out (so a full /dev/shm is a clean failure,
-// not a SIGBUS) and released with a hole punch when it comes back. Only the process that
-// created the arena hands ranges out and takes them back: a forked child (a DataLoader
-// worker) shares the mapping, so its hole punch would zero the parent's live tensors and
-// its stale copy of the free list would hand out ranges the parent uses.
-class Arena {
- public:
-  Arena(std::shared_ptr<Mapping> mapping, size_t offset, size_t bytes);
-  // Byte offset (from the arena start) of a new range, or -1 when none can be committed.
-  int64_t alloc(size_t bytes);
-  void free(int64_t offset);
-  char* base() const { return mapping_->base + offset_; }
-  size_t bytes() const { return bytes_; }
-
- private:
-  std::shared_ptr<Mapping> mapping_;
-  size_t offset_, bytes_;
-  uint64_t forkGeneration_;  // at creation (see forkGeneration())
-  std::mutex mutex_;
-  std::map<size_t, size_t> free_;  // offset -> bytes
-  std::map<size_t, size_t> used_;  // offset -> bytes
-};
 
 struct ShmOptions {
   int worldSize = 1;
   std::vector<int> localRanks;  // global ranks of this host, ascending; index = local index
   int localIndex = 0;           // this process's index in localRanks
-  size_t chunkBytes = 1 << 20;  // staging buffer per rank (two of them: double buffering)
+  size_t segmentBytes = 1 << 20;  // one segment: a staging buffer (two per rank: double buffering)
   size_t arenaBytes = 0;        // virtual size of the zero-copy arena (committed on use)
   double timeoutSec = 300;      // a wait that sees no progress this long fails
   int spinIters = 20000;        // busy-wait iterations before sleeping on a futex
+  // A staged allreduce of at most this many bytes is one-shot: every rank reduces the whole
+  // message (one synchronization per segment); above it, each rank reduces its chunk.
+  size_t oneShotBytes = kDefaultOneShotBytes;
+  static constexpr size_t kDefaultOneShotBytes = 128 << 10;
 };
 
-// Each rank owns one segment: [control | header tables | 2 staging buffers | arena].
-// Peers map every segment of the group, so a rank reads its peers' staging buffers and
-// arena tensors directly. Progress is tracked by one monotonically increasing `stamp` per
-// rank: a rank bumps its stamp when it finishes a phase (arrive) and waits until every
-// peer's stamp has reached its own (waitAll). Waiting spins, then sleeps on a futex, and
-// checks every ~50 ms for an abort, a dead peer (same PID namespace only) and the timeout.
+// Each rank owns one region: [control | header tables | 2 staging buffers | arena]
+// (region.h). Peers map every region of the group, so a rank reads its peers' staging
+// buffers and arena tensors directly. Progress is tracked by one monotonically increasing
+// `stamp` per rank: a rank bumps its stamp when it finishes a phase (arrive) and waits until
+// every peer's stamp has reached its own (waitAll). Waiting spins, then sleeps on a futex,
+// and checks every ~50 ms for an abort, a dead peer (same PID namespace only) and the timeout.
 class ShmGroup {
  public:
   explicit ShmGroup(ShmOptions options);
   ~ShmGroup();
 
-  // Creates this rank's segment and returns its name (for the store).
+  // Creates this rank's region and returns its name (for the store).
   std::string create(const std::string& nameTag);
-  // Maps every peer's segment; names are indexed by local index.
+  // Maps every peer's region; names are indexed by local index.
   void attach(const std::vector<std::string>& names);
-  // Removes this rank's segment name once every peer has mapped it; nothing is left in
+  // Removes this rank's region name once every peer has mapped it; nothing is left in
   // /dev/shm even if the job crashes later.
   void unlinkOwn();
 
@@ -94,7 +73,7 @@ class ShmGroup {
   // The collectives on raw memory; `headers` are the whole job's headers of this operation.
   void allreduce(char* data, size_t count, DType dtype, ReduceOp op, double scale,
                  const std::vector<OpHeader>& headers);
-  // Local index i gets block i (elements [i*count/n, (i+1)*count/n)) of the reduction of
+  // Local index i gets chunk i (elements [i*count/n, (i+1)*count/n)) of the reduction of
   // every rank's `input` (count elements, left as it was) in `out` (count/n elements).
   void reduceScatter(const char* input, char* out, size_t count, DType dtype, ReduceOp op,
                      double scale);
@@ -102,8 +81,8 @@ class ShmGroup {
   // 16-bit floats across hosts: the leader (local index 0) gets the float32 sum of every
   // local rank's `data` in `hostSum`; the others only contribute.
   void reduceToLeader(const char* data, size_t count, DType dtype, ReduceOp op, float* hostSum);
-  // pieces[i] = (offset into out, bytes) of local rank i; src is this rank's contribution.
-  void allgather(const char* src, char* out, const std::vector<std::pair<size_t, size_t>>& pieces);
+  // chunks[i] = (offset into out, bytes) of local rank i's chunk; src is this rank's chunk.
+  void allgather(const char* src, char* out, const std::vector<std::pair<size_t, size_t>>& chunks);
 
   // The zero-copy arena of this rank (tensors allocated there keep it mapped).
   std::shared_ptr<Arena> arena() const { return arena_; }
@@ -114,7 +93,7 @@ class ShmGroup {
   void abort(const std::string& message);
 
  private:
-  struct Control;
+  struct Control;  // region.h
   Control* control(int index) const;
   OpHeader* table(int index, uint64_t seq) const;
   char* staging(int index, int buffer) const;
@@ -133,7 +112,7 @@ class ShmGroup {
   std::string ownName_;
   bool unlinked_ = true;
   uint32_t stamp_ = 0;           // phases this rank completed (mirrors its control stamp)
-  uint64_t bufferCounter_ = 0;   // staging buffers used so far; parity picks the buffer
+  uint64_t bufferCounter_ = 0;   // segments staged so far; parity picks the staging buffer
   uint64_t currentSeq_ = 0;
   std::string currentWhat_;
   std::shared_ptr<Arena> arena_;

@@ -1,0 +1,106 @@
+// How a collective composes the transports: the shared-memory group within a host and the
+// TCP ring among the hosts' leaders (the first rank of each host). One host: shared memory
+// alone. Several hosts: reduce or gather within the host, run the ring among the leaders,
+// then each leader hands the result to its host. A host of one rank has no shared memory,
+// and the TCP-only transport is "every rank its own host".
+#include <cstring>
+
+#include "communicator.h"
+#include "reduce.h"
+
+namespace torchring {
+
+void Communicator::allreduce(char* data, const OpHeader& header,
+                             const std::vector<OpHeader>& headers) {
+  const auto dtype = static_cast<DType>(header.dtype);
+  auto op = static_cast<ReduceOp>(header.op);
+  const double scale = op == ReduceOp::AVG ? 1.0 / opt_.size : 1.0;
+  if (op == ReduceOp::AVG) op = ReduceOp::SUM;
+  const size_t count = header.count;
+  if (numHosts() == 1) {
+    if (shm_) shm_->allreduce(data, count, dtype, op, scale, headers);
+    else if (scale != 1.0) scaleInPlace(data, count, dtype, scale);
+    return;
+  }
+  // Several hosts: reduce within the host, ring among the leaders (which applies `scale`
+  // once), then each leader hands the result to its host.
+  if (isHalfFloat(dtype) && shm_) {
+    std::vector<float> hostSum(isLeader() ? count : 0);
+    shm_->reduceToLeader(data, count, dtype, op, hostSum.data());
+    if (tcp_) tcp_->allreduce(data, count, dtype, op, scale, hostSum.data());
+  } else {
+    if (shm_) shm_->allreduce(data, count, dtype, op, 1.0, headers);
+    if (tcp_) tcp_->allreduce(data, count, dtype, op, scale);
+  }
+  if (shm_) shm_->broadcast(data, count * elementSize(dtype), 0);
+}
+
+// This rank's rows [rank*m, (rank+1)*m) of the reduction, m = dim 0 / size, as a new tensor;
+// `input` is left alone. One host: the shared-memory reduce-scatter, which moves a block per
+// rank instead of the whole tensor. Otherwise an allreduce of a copy, keeping this rank's rows.
+at::Tensor Communicator::reduceScatter(const at::Tensor& input, const OpHeader& header,
+                                       const std::vector<OpHeader>& headers) {
+  const int64_t rows = input.size(0) / opt_.size;
+  std::vector<int64_t> sizes = input.sizes().vec();
+  sizes[0] = rows;
+  if (numHosts() == 1 && shm_) {
+    at::Tensor out = at::empty(sizes, input.options());
+    auto op = static_cast<ReduceOp>(header.op);
+    const double scale = op == ReduceOp::AVG ? 1.0 / opt_.size : 1.0;
+    shm_->reduceScatter(static_cast<const char*>(input.data_ptr()), static_cast<char*>(out.data_ptr()),
+                        header.count, static_cast<DType>(header.dtype),
+                        op == ReduceOp::AVG ? ReduceOp::SUM : op, scale);
+    return out;
+  }
+  at::Tensor full = input.clone();
+  allreduce(static_cast<char*>(full.data_ptr()), header, headers);
+  return full.narrow(0, opt_.rank * rows, rows).clone();
+}
+
+// Broadcast: first within the root's host, then among leaders, then within other hosts.
+void Communicator::broadcast(char* data, size_t bytes, int root) {
+  const int rootHost = rankHost_[root];
+  if (shm_ && hostIndex_ == rootHost) shm_->broadcast(data, bytes, rankLocal_[root]);
+  if (numHosts() == 1) return;
+  if (tcp_) tcp_->broadcast(data, bytes, rootHost);
+  if (shm_ && hostIndex_ != rootHost) shm_->broadcast(data, bytes, 0);
+}
+
+// Allgather with a different dim-0 size per rank: gather within the host, exchange whole
+// host blocks around the leaders' ring, then the leader hands the full result to its host.
+at::Tensor Communicator::allgather(const at::Tensor& input, const std::vector<OpHeader>& headers) {
+  const size_t esize = input.element_size();
+  std::vector<size_t> offset(opt_.size + 1, 0);
+  int64_t rows = 0;
+  for (int r = 0; r < opt_.size; ++r) {
+    offset[r + 1] = offset[r] + headers[r].count * esize;
+    rows += static_cast<int64_t>(headers[r].rows);
+  }
+  std::vector<int64_t> sizes = input.sizes().vec();
+  if (sizes.empty()) sizes.push_back(1);
+  sizes[0] = rows;
+  at::Tensor out = at::empty(sizes, input.options());
+  char* dst = static_cast<char*>(out.data_ptr());
+  const char* src = static_cast<const char*>(input.data_ptr());
+  const auto& local = opt_.hosts[hostIndex_];
+  if (shm_) {
+    std::vector<std::pair<size_t, size_t>> pieces;
+    for (int r : local) pieces.emplace_back(offset[r], offset[r + 1] - offset[r]);
+    shm_->allgather(src, dst, pieces);
+  } else {
+    std::memcpy(dst + offset[opt_.rank], src, offset[opt_.rank + 1] - offset[opt_.rank]);
+  }
+  if (numHosts() > 1) {
+    if (tcp_) {
+      std::vector<std::vector<Span>> blocks(numHosts());
+      for (int h = 0; h < numHosts(); ++h) {
+        for (int r : opt_.hosts[h]) blocks[h].push_back({dst + offset[r], offset[r + 1] - offset[r]});
+      }
+      tcp_->allgather(blocks);
+    }
+    if (shm_) shm_->broadcast(dst, offset[opt_.size], 0);
+  }
+  return out;
+}
+
+}  // namespace torchring

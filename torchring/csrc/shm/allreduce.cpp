@@ -1,0 +1,108 @@
+// Allreduce within a host: through the staging buffers (one-shot for small messages,
+// reduce-scatter + allgather through memory for larger ones), or zero-copy when every
+// rank's tensor lives in its arena.
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "../reduce.h"
+#include "group.h"
+#include "region.h"
+
+namespace torchring {
+namespace {
+
+// Elements [lo, hi) of `count` that make up the chunk of local index `index` of `n`: the part
+// it reduces. Chunks are whole multiples of 64 bytes so two ranks never write the same
+// cache line.
+std::pair<size_t, size_t> chunkOf(int index, int n, size_t count, size_t esize) {
+  size_t align = std::max<size_t>(1, 64 / esize);
+  size_t per = shm::roundUp((count + n - 1) / n, align);
+  size_t lo = std::min(count, per * index);
+  return {lo, std::min(count, lo + per)};
+}
+
+}  // namespace
+
+// Allreduce through the staging buffers, one segment of at most segmentBytes at a time.
+// Small messages (one-shot): copy the segment in, arrive, wait, and every rank reduces all
+// n staged segments into its own tensor: one synchronization per segment. Larger messages
+// (reduce-scatter + allgather through memory): copy in, wait; each rank reduces its own
+// chunk of the segment [lo, hi) from all n staging buffers into both its staging buffer and
+// its tensor; wait; each rank copies the other chunks out of their owners' staging buffers.
+// Segments alternate between two staging buffers, so writing segment k+1 never races with
+// peers still reading segment k, and the wait at segment k+1 proves every peer is done with
+// segment k before segment k+2 reuses its buffer: no trailing barrier.
+void ShmGroup::allreduce(char* data, size_t count, DType dtype, ReduceOp op, double scale,
+                         const std::vector<OpHeader>& headers) {
+  const int n = localSize(), me = opt_.localIndex;
+  bool zeroCopy = opt_.arenaBytes > 0 && count > 0;
+  for (int i = 0; i < n; ++i) zeroCopy = zeroCopy && headers[opt_.localRanks[i]].arenaOffset >= 0;
+  if (zeroCopy) return allreduceZeroCopy(data, count, dtype, op, scale, headers);
+  const size_t esize = elementSize(dtype);
+  const size_t segmentElems = opt_.segmentBytes / esize;
+  const bool oneShot = count * esize <= opt_.oneShotBytes;
+  std::vector<const void*> srcs(n);
+  for (size_t start = 0; start < count; start += segmentElems) {
+    const size_t len = std::min(segmentElems, count - start);
+    const int buf = nextBuffer();
+    char* segment = data + start * esize;
+    std::memcpy(staging(me, buf), segment, len * esize);
+    arrive();
+    waitAll();
+    if (oneShot) {
+      for (int p = 0; p < n; ++p) srcs[p] = staging(p, buf);
+      reduceInto(segment, nullptr, srcs.data(), n, len, dtype, op, scale);
+      continue;
+    }
+    auto [lo, hi] = chunkOf(me, n, len, esize);
+    for (int p = 0; p < n; ++p) srcs[p] = staging(p, buf) + lo * esize;
+    reduceInto(staging(me, buf) + lo * esize, segment + lo * esize, srcs.data(), n, hi - lo,
+               dtype, op, scale);
+    arrive();
+    waitAll();
+    for (int p = 0; p < n; ++p) {
+      if (p == me) continue;
+      auto [plo, phi] = chunkOf(p, n, len, esize);
+      std::memcpy(segment + plo * esize, staging(p, buf) + plo * esize, (phi - plo) * esize);
+    }
+  }
+}
+
+// Zero-copy allreduce, used when every local rank's tensor lives in its arena. The header
+// exchange that precedes it proves every tensor is complete. No segments: each rank reduces
+// its own chunk [lo, hi) straight out of all n tensors and writes the result into its own
+// tensor and into every peer's, a block of kPushBytes at a time (the block stays in cache for
+// the extra copies); chunks are disjoint, so no two ranks touch the same bytes. Then it
+// arrives and waits: once every peer has arrived, every chunk of this rank's tensor is final
+// and no peer reads it any more. One synchronization; per rank it reads S and writes S.
+void ShmGroup::allreduceZeroCopy(char* data, size_t count, DType dtype, ReduceOp op,
+                                 double scale, const std::vector<OpHeader>& headers) {
+  constexpr size_t kPushBytes = 256 << 10;
+  const int n = localSize(), me = opt_.localIndex;
+  const size_t esize = elementSize(dtype);
+  std::vector<char*> tensors(n);
+  for (int p = 0; p < n; ++p) {
+    tensors[p] = p == me ? data
+                         : mappings_[p]->base + arenaOffset_ + headers[opt_.localRanks[p]].arenaOffset;
+  }
+  auto [lo, hi] = chunkOf(me, n, count, esize);
+  const int peer = n > 1 ? (me + 1) % n : me;
+  std::vector<const void*> srcs(n);
+  const size_t step = std::max<size_t>(1, kPushBytes / esize);
+  for (size_t start = lo; start < hi; start += step) {
+    // A peer that gave up (another rank failed) may already reuse its tensor: stop writing.
+    checkAbort();
+    const size_t len = std::min(step, hi - start), off = start * esize;
+    for (int p = 0; p < n; ++p) srcs[p] = tensors[p] + off;
+    reduceInto(data + off, peer != me ? tensors[peer] + off : nullptr, srcs.data(), n, len,
+               dtype, op, scale);
+    for (int p = 0; p < n; ++p) {
+      if (p != me && p != peer) std::memcpy(tensors[p] + off, data + off, len * esize);
+    }
+  }
+  arrive();
+  waitAll();
+}
+
+}  // namespace torchring

@@ -1,0 +1,182 @@
+// The ShmGroup's regions: their layout, creating this rank's, mapping the peers' (checking
+// that every rank computed the same layout), unlinking; and the header tables through which
+// the ranks of a host compare the operation they are about to run.
+#include "group.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <sstream>
+
+#include "region.h"
+
+namespace torchring {
+namespace {
+
+std::string errnoText() { return std::strerror(errno); }
+
+// Identifies this process's PID namespace (0 when unknown). Peers in another namespace (ranks
+// in separate containers that share /dev/shm) see pids that mean nothing to us, so their
+// liveness is judged by the timeout alone, never by their pid.
+uint64_t pidNamespace() {
+  struct stat st;
+  if (stat("/proc/self/ns/pid", &st) != 0) return 0;
+  return static_cast<uint64_t>(st.st_ino) ^ (static_cast<uint64_t>(st.st_dev) << 32);
+}
+
+}  // namespace
+
+using shm::kPage;
+using shm::roundUp;
+
+ShmGroup::ShmGroup(ShmOptions options) : opt_(std::move(options)) {
+  controlBytes_ = roundUp(sizeof(Control), kPage);
+  tableBytes_ = roundUp(2 * opt_.worldSize * sizeof(OpHeader), kPage);
+  stagingOffset_ = controlBytes_ + tableBytes_;
+  opt_.segmentBytes = roundUp(std::max<size_t>(opt_.segmentBytes, kPage), 64);
+  arenaOffset_ = roundUp(stagingOffset_ + 2 * opt_.segmentBytes, kPage);
+  mappings_.resize(opt_.localRanks.size());
+}
+
+ShmGroup::~ShmGroup() { unlinkOwn(); }
+
+std::string ShmGroup::create(const std::string& nameTag) {
+  std::ostringstream name;
+  name << "/torchring-" << nameTag << "-" << opt_.localRanks[opt_.localIndex] << "-" << getpid();
+  ownName_ = name.str();
+  int fd = shm_open(ownName_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0) {
+    throw CommFailedError("rank " + std::to_string(opt_.localRanks[opt_.localIndex]) +
+                         ": shm_open(" + ownName_ + ") failed: " + errnoText() +
+                         "; check that /dev/shm is mounted and writable, or set "
+                         "TORCHRING_TRANSPORT=tcp");
+  }
+  unlinked_ = false;
+  size_t total = arenaOffset_ + opt_.arenaBytes;
+  auto mapping = std::make_shared<Mapping>();
+  mapping->fd = fd;
+  int reserveError = ftruncate(fd, static_cast<off_t>(total)) != 0 ? errno : 0;
+  if (reserveError == 0) reserveError = posix_fallocate(fd, 0, static_cast<off_t>(arenaOffset_));
+  if (reserveError != 0) {
+    throw CommFailedError("rank " + std::to_string(opt_.localRanks[opt_.localIndex]) +
+                         ": cannot reserve (" + std::strerror(reserveError) + ") " +
+                         std::to_string(arenaOffset_ >> 10) +
+                         " KiB in /dev/shm for the shared-memory region " + ownName_ +
+                         "; free space there (docker: --shm-size), lower "
+                         "TORCHRING_SHM_SEGMENT_KB, or set TORCHRING_TRANSPORT=tcp");
+  }
+  void* base = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (base == MAP_FAILED) {
+    throw CommFailedError("rank " + std::to_string(opt_.localRanks[opt_.localIndex]) +
+                         ": mmap of " + ownName_ + " failed: " + errnoText());
+  }
+  mapping->base = static_cast<char*>(base);
+  mapping->bytes = total;
+  mappings_[opt_.localIndex] = mapping;
+  arena_ = std::make_shared<Arena>(mapping, arenaOffset_, opt_.arenaBytes);
+  Control* own = control(opt_.localIndex);
+  own->segmentBytes = opt_.segmentBytes;
+  own->stagingOffset = stagingOffset_;
+  own->arenaOffset = arenaOffset_;
+  own->worldSize = static_cast<uint64_t>(opt_.worldSize);
+  own->pid = getpid();
+  own->pidNamespace = pidNamespace();
+  own->rank = opt_.localRanks[opt_.localIndex];
+  own->magic = shm::kMagic;
+  return ownName_;
+}
+
+void ShmGroup::attach(const std::vector<std::string>& names) {
+  const int me = opt_.localIndex;
+  for (int i = 0; i < localSize(); ++i) {
+    if (i == me) continue;
+    std::string who = "rank " + std::to_string(opt_.localRanks[me]) +
+                      ": cannot map the shared-memory region " + names[i] + " of rank " +
+                      std::to_string(opt_.localRanks[i]);
+    int fd = shm_open(names[i].c_str(), O_RDWR, 0600);
+    if (fd < 0) {
+      throw CommFailedError(who + ": " + errnoText() +
+                           "; ranks that share TORCHRING_HOSTNAME must share /dev/shm");
+    }
+    struct stat st;
+    fstat(fd, &st);
+    auto mapping = std::make_shared<Mapping>();
+    mapping->fd = fd;
+    void* base = mmap(nullptr, st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (base == MAP_FAILED) throw CommFailedError(who + ": mmap: " + errnoText());
+    mapping->base = static_cast<char*>(base);
+    mapping->bytes = st.st_size;
+    mappings_[i] = mapping;
+    Control* peer = control(i);
+    if (peer->magic != shm::kMagic || peer->rank != opt_.localRanks[i]) {
+      throw CommFailedError(who + ": it does not hold a torchring region of that rank");
+    }
+    if (peer->segmentBytes != opt_.segmentBytes || peer->arenaOffset != arenaOffset_ ||
+        peer->stagingOffset != stagingOffset_ || peer->worldSize != static_cast<uint64_t>(opt_.worldSize)) {
+      throw CommFailedError(
+          who + ": its shared-memory layout differs from this rank's (staging segment " +
+          std::to_string(peer->segmentBytes >> 10) + " KiB vs " + std::to_string(opt_.segmentBytes >> 10) +
+          " KiB, world " + std::to_string(peer->worldSize) + " vs " + std::to_string(opt_.worldSize) +
+          "); give every rank the same TORCHRING_SHM_SEGMENT_KB");
+    }
+  }
+}
+
+void ShmGroup::unlinkOwn() {
+  if (!unlinked_) shm_unlink(ownName_.c_str());
+  unlinked_ = true;
+}
+
+ShmGroup::Control* ShmGroup::control(int index) const {
+  return reinterpret_cast<Control*>(mappings_[index]->base);
+}
+
+OpHeader* ShmGroup::table(int index, uint64_t seq) const {
+  return reinterpret_cast<OpHeader*>(mappings_[index]->base + controlBytes_) +
+         (seq & 1) * opt_.worldSize;
+}
+
+char* ShmGroup::staging(int index, int buffer) const {
+  return mappings_[index]->base + stagingOffset_ + buffer * opt_.segmentBytes;
+}
+
+int64_t ShmGroup::arenaOffsetOf(const void* ptr, size_t bytes) const {
+  if (!arena_ || opt_.arenaBytes == 0) return -1;
+  auto p = static_cast<const char*>(ptr);
+  char* base = arena_->base();
+  if (p < base || p + bytes > base + opt_.arenaBytes) return -1;
+  return p - base;
+}
+
+// Header tables: each rank writes its header for operation `seq` into its own table of
+// parity seq & 1 and arrives; once every peer arrived, their tables hold this operation's
+// headers. Consecutive operations use different tables, so writing the next operation's
+// header never races with a peer still reading this one's.
+void ShmGroup::exchangeHeaders(const OpHeader& header, std::vector<OpHeader>& headers) {
+  const int me = opt_.localIndex;
+  table(me, header.seq)[opt_.localRanks[me]] = header;
+  arrive();
+  waitAll();
+  for (int i = 0; i < localSize(); ++i) {
+    headers[opt_.localRanks[i]] = table(i, header.seq)[opt_.localRanks[i]];
+  }
+}
+
+void ShmGroup::publishAllHeaders(const std::vector<OpHeader>& headers) {
+  std::copy(headers.begin(), headers.end(), table(opt_.localIndex, headers[0].seq));
+  arrive();
+}
+
+void ShmGroup::receiveAllHeaders(uint64_t seq, std::vector<OpHeader>& headers) {
+  arrive();
+  waitFor(0, stamp_);
+  const OpHeader* leaderTable = table(0, seq);
+  std::copy(leaderTable, leaderTable + opt_.worldSize, headers.begin());
+}
+
+}  // namespace torchring

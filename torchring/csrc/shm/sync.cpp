@@ -1,0 +1,157 @@
+// How the ranks of a host synchronize through their regions: arrive (bump this rank's stamp)
+// and wait (spin, then sleep on a futex until a peer's stamp reaches ours), with a check every
+// kCheckInterval for a group-wide abort, a dead peer and the timeout; the messages those
+// failures raise; and the progress words peers show in theirs.
+#include <linux/futex.h>
+#include <signal.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <climits>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "group.h"
+#include "region.h"
+
+namespace torchring {
+namespace {
+
+constexpr double kCheckInterval = 0.05;  // seconds between liveness/timeout checks
+
+inline void cpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+void futexWait(std::atomic<uint32_t>* word, uint32_t expected, long nanos) {
+  timespec ts{0, nanos};
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+
+void futexWakeAll(std::atomic<uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+// A process that exited but was not reaped yet still answers kill(pid, 0): look at its state.
+bool processAlive(int pid) {
+  if (kill(pid, 0) != 0 && errno == ESRCH) return false;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string content;
+  if (!std::getline(stat, content)) return true;  // no procfs: trust kill()
+  auto close = content.rfind(')');
+  if (close == std::string::npos || close + 2 >= content.size()) return true;
+  char state = content[close + 2];
+  return state != 'Z' && state != 'X';
+}
+
+}  // namespace
+
+void ShmGroup::setCurrent(const OpHeader& header) {
+  currentSeq_ = header.seq;
+  currentWhat_ = header.label() + " " + header.describe();
+  control(opt_.localIndex)->progress.store(header.seq << 1, std::memory_order_relaxed);
+}
+
+void ShmGroup::markDone(uint64_t seq) {
+  control(opt_.localIndex)->progress.store((seq << 1) | 1, std::memory_order_relaxed);
+}
+
+void ShmGroup::heartbeat() {
+  control(opt_.localIndex)->heartbeat.fetch_add(1, std::memory_order_relaxed);
+}
+
+void ShmGroup::arrive() {
+  Control* own = control(opt_.localIndex);
+  own->stamp.store(++stamp_, std::memory_order_seq_cst);
+  if (own->sleepers.load(std::memory_order_seq_cst) != 0) futexWakeAll(&own->stamp);
+}
+
+void ShmGroup::waitFor(int index, uint32_t target) {
+  Control* peer = control(index);
+  auto reached = [&] {
+    return static_cast<int32_t>(peer->stamp.load(std::memory_order_acquire) - target) >= 0;
+  };
+  if (reached()) return;
+  for (int i = 0; i < opt_.spinIters; ++i) {
+    cpuRelax();
+    if (reached()) return;
+  }
+  auto start = Clock::now(), lastCheck = start;
+  uint64_t beat = peer->heartbeat.load(std::memory_order_relaxed);
+  for (;;) {
+    checkAbort();
+    peer->sleepers.fetch_add(1, std::memory_order_seq_cst);
+    uint32_t seen = peer->stamp.load(std::memory_order_seq_cst);
+    if (static_cast<int32_t>(seen - target) < 0) futexWait(&peer->stamp, seen, 2000000);
+    peer->sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    if (reached()) return;
+    if (secondsSince(lastCheck) > kCheckInterval) {
+      lastCheck = Clock::now();
+      const uint64_t ns = control(opt_.localIndex)->pidNamespace;
+      if (ns != 0 && peer->pidNamespace == ns && !processAlive(peer->pid)) failWaiting(index, "died");
+      uint64_t now = peer->heartbeat.load(std::memory_order_relaxed);
+      if (now != beat) {  // the peer is busy elsewhere (its TCP stage): no progress is due here
+        beat = now;
+        start = Clock::now();
+      }
+      if (secondsSince(start) > opt_.timeoutSec) failWaiting(index, "timeout");
+    }
+  }
+}
+
+void ShmGroup::waitAll() {
+  for (int i = 0; i < localSize(); ++i) {
+    if (i != opt_.localIndex) waitFor(i, stamp_);
+  }
+}
+
+void ShmGroup::checkAbort() const {
+  Control* leader = control(0);
+  if (leader->abortState.load(std::memory_order_acquire) == 0) return;
+  for (int i = 0; i < 1000000 && leader->abortState.load(std::memory_order_acquire) != 2; ++i) {
+    cpuRelax();
+  }
+  throw CommFailedError("rank " + std::to_string(opt_.localRanks[opt_.localIndex]) + ": " +
+                       currentWhat_ + " aborted because another rank failed: " +
+                       std::string(leader->abortMessage));
+}
+
+void ShmGroup::failWaiting(int index, const char* why) const {
+  Control* peer = control(index);
+  uint64_t progress = peer->progress.load();
+  std::ostringstream msg;
+  msg << "rank " << opt_.localRanks[opt_.localIndex] << " (this process): " << currentWhat_;
+  if (std::strcmp(why, "died") == 0) {
+    msg << " failed: rank " << peer->rank << " (pid " << peer->pid
+        << ", same host) died; the job cannot continue, restart it (torchrun --max-restarts)";
+  } else {
+    msg << " timed out after " << opt_.timeoutSec << " s waiting for rank " << peer->rank
+        << " (pid " << peer->pid << ", same host), which is " << ((progress & 1) ? "done with" : "in")
+        << " operation #" << (progress >> 1)
+        << "; a rank is stuck or stopped, or ranks issued different numbers of collectives "
+           "(raise TORCHRING_TIMEOUT if the work between collectives is that slow)";
+  }
+  throw CommFailedError(msg.str());
+}
+
+void ShmGroup::abort(const std::string& message) {
+  if (mappings_.empty() || !mappings_[0]) return;
+  for (auto& m : mappings_) {
+    if (!m) return;  // not attached yet: peers fail on their own
+  }
+  Control* leader = control(0);
+  uint32_t expected = 0;
+  if (!leader->abortState.compare_exchange_strong(expected, 1)) return;
+  std::snprintf(leader->abortMessage, sizeof(leader->abortMessage), "%s", message.c_str());
+  leader->abortState.store(2, std::memory_order_release);
+  for (int i = 0; i < localSize(); ++i) futexWakeAll(&control(i)->stamp);
+}
+
+}  // namespace torchring

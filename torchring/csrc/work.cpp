@@ -1,0 +1,56 @@
+#include "work.h"
+
+#include <sstream>
+
+namespace torchring {
+
+bool Work::isCompleted() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return done_;
+}
+
+at::Tensor Work::wait(double timeoutSec) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (timeoutSec > 0) {
+    auto limit = std::chrono::duration<double>(timeoutSec);
+    if (!cv_.wait_for(lock, limit, [&] { return done_; })) {
+      std::ostringstream msg;
+      msg << "rank " << rank_ << ": " << kindName(kind_) << " #" << seq_ << ": Handle.wait(timeout="
+          << timeoutSec << ") expired; the operation is still running and the communicator is "
+          << "fine (wait again, or raise the timeout)";
+      throw WaitTimeoutError(msg.str());
+    }
+  } else {
+    cv_.wait(lock, [&] { return done_; });
+  }
+  if (error_) std::rethrow_exception(error_);
+  return result_;
+}
+
+std::string Work::error() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return message_;
+}
+
+void Work::finish(at::Tensor result, std::exception_ptr error) {
+  std::string message;
+  if (error) {
+    try {
+      std::rethrow_exception(error);
+    } catch (const std::exception& e) {
+      message = e.what();
+    } catch (...) {
+      message = "unknown error";
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    result_ = std::move(result);
+    error_ = std::move(error);
+    message_ = std::move(message);
+    done_ = true;
+  }
+  cv_.notify_all();
+}
+
+}  // namespace torchring
