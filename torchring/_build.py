@@ -27,7 +27,12 @@ from ._log import logger
 
 _NAME = "torchring_C"
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_CFLAGS = ["-O3", "-march=native", "-fwrapv", "-Wall", "-Wno-unused-function"]  # the C++ standard: whatever this torch needs (cpp_extension sets it)
+# The C++ standard: whatever this torch needs (cpp_extension sets it).
+_CFLAGS = ["-O3", "-march=native", "-fwrapv", "-Wall", "-Wno-unused-function"]
+# TORCHRING_DEBUG_BUILD=1: unoptimized, with AddressSanitizer and UBSan (its own cache entry).
+_SANITIZE = "-fsanitize=address,undefined"
+_DEBUG_CFLAGS = ["-O0", "-g", "-fno-omit-frame-pointer", _SANITIZE, "-fwrapv", "-Wall",
+                 "-Wno-unused-function"]
 _module: ModuleType | None = None
 
 
@@ -90,7 +95,7 @@ def cache_key() -> str:
     """Hash of everything the compiled engine depends on."""
     h = hashlib.sha256()
     identity = (torch.__version__, str(torch.version.git_version), str(torch.version.cuda),
-                str(torch._C._GLIBCXX_USE_CXX11_ABI), sys.version, " ".join(_CFLAGS), _cpu_flags(),
+                str(torch._C._GLIBCXX_USE_CXX11_ABI), sys.version, " ".join(flags()), _cpu_flags(),
                 str(nccl_paths()), str(cuda_home()))
     for part in identity:
         h.update(part.encode())
@@ -133,6 +138,8 @@ def load(verbose: bool = False) -> ModuleType:
                 built.unlink(missing_ok=True)
                 _compile(directory, verbose)
                 done.write_text(cache_key())
+    if _debug():
+        _require_asan_runtime()
     module = _import_built(built)
     _types.check_engine(module)
     _module = module
@@ -152,7 +159,7 @@ def _compile(directory: Path, verbose: bool) -> None:
 
     start = time.time()
     logger.info("building the engine in %s (once per torch version)...", directory)
-    cflags, includes, ldflags = list(_CFLAGS), [], []
+    cflags, includes, ldflags = flags(), [], [_SANITIZE] if _debug() else []
     if nccl is not None:
         include, lib = nccl
         cflags.append("-DTORCHRING_WITH_NCCL")
@@ -179,4 +186,20 @@ def _compile(directory: Path, verbose: bool) -> None:
 
 def flags() -> list[str]:
     """The compiler flags the engine is built with."""
-    return list(_CFLAGS)
+    return list(_DEBUG_CFLAGS if _debug() else _CFLAGS)
+
+
+def _debug() -> bool:
+    return _settings.Settings.for_build(os.environ).debug_build
+
+
+def _require_asan_runtime() -> None:
+    """A library built with ASan loads only into a process whose first library is ASan's
+    runtime; say how to start one instead of failing inside the dynamic loader."""
+    with open("/proc/self/maps") as maps:
+        if "libasan" in maps.read():
+            return
+    raise ImportError(
+        "TORCHRING_DEBUG_BUILD=1 builds the engine with AddressSanitizer, whose runtime must be "
+        "loaded first: run python as LD_PRELOAD=$(gcc -print-file-name=libasan.so) "
+        "ASAN_OPTIONS=detect_leaks=0 python ..., or unset TORCHRING_DEBUG_BUILD")

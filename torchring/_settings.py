@@ -45,6 +45,7 @@ class Settings:
     cuda_path: str = "auto"          # TORCHRING_CUDA_PATH: auto, nccl, staged or off
     device: int | None = None        # TORCHRING_DEVICE: None = torch's current device, else local rank
     job_id: str | None = None        # TORCHRING_JOB_ID: None = the launcher's run id
+    debug_build: bool = False        # TORCHRING_DEBUG_BUILD: -O0 -g with ASan and UBSan
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Settings:
@@ -63,6 +64,13 @@ class Settings:
                 values[var.field] = var.parse(name, raw, var.default)
         values["cache_dir"] = str(cache_dir(env))  # with XDG_CACHE_HOME and HOME from env
         return cls(**values)
+
+    @classmethod
+    def for_build(cls, env: Mapping[str, str]) -> Settings:
+        """The settings the engine build reads (before init(); TORCHRING_CACHE_DIR and
+        TORCHRING_DEBUG_BUILD), parsed like the rest; the others keep their defaults."""
+        keys = ("TORCHRING_DEBUG_BUILD", *_PATH_VARIABLES)
+        return cls.from_env({k: env[k] for k in keys if k in env})
 
     def spin_iters(self, ranks_here: int, cpus: int) -> int:
         """Busy-wait iterations: TORCHRING_SPIN, else 20000, or 200 when this host's ranks
@@ -154,6 +162,12 @@ def _text(name: str, raw: str, default: str) -> str:
     return raw
 
 
+def _flag(name: str, raw: str, default: str) -> bool:
+    if raw not in ("0", "1"):
+        raise _fail(name, raw, "0 or 1", default)
+    return raw == "1"
+
+
 @dataclass(frozen=True)
 class _Variable:
     name: str
@@ -177,7 +191,10 @@ _VARIABLES = (
     _Variable("TORCHRING_CUDA_PATH", "cuda_path", _choice("auto", "nccl", "staged", "off"), "auto"),
     _Variable("TORCHRING_DEVICE", "device", _integer(0, 1023, "CUDA device index"), "(the local rank)"),
     _Variable("TORCHRING_JOB_ID", "job_id", _word("a job name"), "(the launcher's run id)"),
+    _Variable("TORCHRING_DEBUG_BUILD", "debug_build", _flag, "0"),
 )
+# What cache_dir() reads.
+_PATH_VARIABLES = ("TORCHRING_CACHE_DIR", "XDG_CACHE_HOME", "HOME")
 
 # Earlier names that still work: alias -> current name.
 ALIASES = {"TORCHRING_SHM_CHUNK_KB": "TORCHRING_SHM_SEGMENT_KB"}

@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "torchring"
 # own layer too). A new module belongs in this table.
 LAYERS = [
     {"_errors", "_env", "_settings", "_log", "_types"},
-    {"_build", "_gpu_path"},
+    {"_build", "_gpu_path", "_rendezvous"},
     {"_context", "cuda", "build"},
     {"collectives", "run"},
     {"memory"},

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 README_DEFAULTS = {
     "timeout": 300.0, "transport": "auto", "hostname": None, "addr": None, "bind_addr": None,
     "shm_segment_kb": 1024, "shm_arena_mb": 2048, "spin": None, "grad_pool_mb": None,
-    "cuda_path": "auto", "device": None, "job_id": None,
+    "cuda_path": "auto", "device": None, "job_id": None, "debug_build": False,
 }
 
 
@@ -33,6 +33,17 @@ def test_defaults_without_any_variable() -> None:
     got = Settings.from_env({"HOME": "/home/u"})
     for field, want in README_DEFAULTS.items():
         assert getattr(got, field) == want, field
+
+
+def test_debug_build_flag_and_the_build_time_settings() -> None:
+    assert Settings.from_env({"TORCHRING_DEBUG_BUILD": "1"}).debug_build is True
+    assert Settings.from_env({"TORCHRING_DEBUG_BUILD": "0"}).debug_build is False
+    with pytest.raises(ValueError, match=r"^TORCHRING_DEBUG_BUILD='yes': expected 0 or 1"):
+        Settings.from_env({"TORCHRING_DEBUG_BUILD": "yes"})
+    # Read before init(): only the build's own variables, so a bad runtime one cannot stop a build.
+    build = Settings.for_build({"TORCHRING_DEBUG_BUILD": "1", "TORCHRING_TIMEOUT": "soon",
+                                "TORCHRING_CACHE_DIR": "/tmp/c"})
+    assert build.debug_build is True and build.cache_dir == "/tmp/c" and build.timeout == 300.0
 
 
 def test_the_earlier_segment_name_still_works_and_is_named_in_messages() -> None:

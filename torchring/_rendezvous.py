@@ -1,0 +1,139 @@
+"""The rendezvous: how the ranks meet through a store and wire the engine's communicator up.
+
+All keys live under a prefix ``torchring/{job}/{restart}/{generation}/`` (built by _context), so
+a restarted job (torchrun bumps the restart count) or a second init() in the same process
+never reads stale keys:
+
+1. rank 0 publishes ``secret``, a random per-job token checked in every TCP handshake;
+2. every rank publishes ``host/{rank}`` and reads all of them: ranks with the same host
+   identity form a local group (shared memory), the first rank of each host is its leader
+   (TCP ring between hosts);
+3. every rank creates its shared-memory region, the leaders open a listening socket, and
+   each publishes ``info/{rank}`` = {host, addr, port, pid, shm};
+4. ranks map their local peers' regions, wait until the whole host has, and unlink their
+   own name (nothing stays in /dev/shm, even after a crash); leaders connect the ring.
+
+Steps 1 and 2 run in _context.init(); communicator() and wire() do 3 and 4 for any store and
+any rank, so tests can wire N communicators on N threads over one in-process HashStore.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from . import _env
+from ._errors import TorchringError
+from ._settings import Settings
+
+_stores: dict[tuple[str, int], dist.Store] = {}
+
+
+def store(launch: _env.Launch, timeout: float) -> dist.Store:
+    """The job's TCPStore (rank 0 hosts it unless the launcher's agent does); one per address."""
+    key = (launch.master_addr, launch.master_port)
+    if key not in _stores:
+        is_master = launch.rank == 0 and not launch.use_agent_store
+        try:
+            _stores[key] = dist.TCPStore(
+                launch.master_addr, launch.master_port, launch.world_size, is_master,
+                timeout=timedelta(seconds=timeout), wait_for_workers=False,
+                multi_tenant=True,  # a torch.distributed group in this process can share it
+            )
+        except Exception as exc:
+            role = "host" if is_master else "reach"
+            raise TorchringError(
+                f"rank {launch.rank}: cannot {role} the rendezvous store at "
+                f"{launch.master_addr}:{launch.master_port} ({exc}); check MASTER_ADDR/MASTER_PORT, "
+                "that the port is free on rank 0's host, and that rank 0 was started") from exc
+    return _stores[key]
+
+
+def get(store: dist.Store, key: str, rank: int, what: str, timeout: float) -> bytes:
+    """The value of `key`, waiting up to `timeout`; a TorchringError naming `what` after that."""
+    try:
+        store.wait([key], timedelta(seconds=timeout))
+        return store.get(key)
+    except Exception as exc:
+        raise TorchringError(
+            f"rank {rank}: rendezvous timed out after {timeout:g} s waiting for {what} "
+            f"(store key {key!r}); is every rank started with the same WORLD_SIZE, MASTER_ADDR "
+            "and MASTER_PORT, and is none of them dead?") from exc
+
+
+def route_addr(master_addr: str, override: str | None) -> str:
+    """The local address on the route to the store's host (what peers can connect to)."""
+    if override:
+        return override
+    try:
+        target = socket.gethostbyname(master_addr)
+    except OSError:
+        target = master_addr
+    if target.startswith("127."):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((target, 9))
+        return probe.getsockname()[0]
+
+
+def host_groups(hosts: list[str]) -> list[list[int]]:
+    """Ranks per host identity, hosts ordered by their smallest rank."""
+    groups: dict[str, list[int]] = {}
+    for rank, host in enumerate(hosts):
+        groups.setdefault(host, []).append(rank)
+    return list(groups.values())
+
+
+def communicator(engine: Any, rank: int, world: int, groups: list[list[int]], settings: Settings,
+                 secret: str, **overrides: Any) -> Any:
+    """The engine's Communicator for `rank` (not started, not wired yet); `overrides` set
+    further CommOptions fields (tests: one_shot_bytes)."""
+    my_group = next(g for g in groups if rank in g)
+    options = engine.CommOptions()
+    options.rank, options.size, options.hosts = rank, world, groups
+    options.timeout, options.secret = settings.timeout, secret
+    options.segment_bytes = settings.shm_segment_kb << 10
+    options.arena_bytes = settings.shm_arena_mb << 20
+    options.spin_iters = settings.spin_iters(len(my_group), _env.available_cpus())
+    for field, value in overrides.items():
+        setattr(options, field, value)
+    return engine.Communicator(options)
+
+
+def wire(comm: Any, store: dist.Store, prefix: str, rank: int, master_addr: str, host: str,
+         groups: list[list[int]], settings: Settings) -> None:
+    """Steps 3 and 4 above for `comm` (made by communicator()); start() it afterwards."""
+    timeout = settings.timeout
+    shm_name = comm.create_shm(f"{os.getpid()}{secrets.token_hex(3)}") if comm.has_shm else ""
+    port, addr = None, None
+    if comm.is_leader and comm.num_hosts > 1:
+        addr = route_addr(master_addr, settings.addr)
+        bind = settings.bind_addr
+        if bind is None:
+            bind = "127.0.0.1" if addr.startswith("127.") else ""  # "": every interface
+        port = comm.listen(bind)
+    info = {"host": host, "addr": addr, "port": port, "pid": os.getpid(), "shm": shm_name}
+    store.set(prefix + f"info/{rank}", json.dumps(info))
+
+    def info_of(r: int) -> dict:
+        return json.loads(get(store, prefix + f"info/{r}", rank, f"rank {r}'s address", timeout))
+
+    comm.set_failure_board(dist.PrefixStore(prefix, store))
+    group = groups[comm.host_index]
+    if comm.has_shm:
+        comm.attach_shm([shm_name if r == rank else info_of(r)["shm"] for r in group])
+        mapped = prefix + f"mapped/{comm.host_index}"
+        if store.add(mapped, 1) == len(group):
+            store.set(mapped + "/all", "1")
+        get(store, mapped + "/all", rank, "every rank of this host to map shared memory", timeout)
+        comm.unlink_shm()
+    if comm.is_leader and comm.num_hosts > 1:
+        right = groups[(comm.host_index + 1) % len(groups)][0]
+        peer = info_of(right)
+        comm.connect_ring(peer["addr"], int(peer["port"]))
