@@ -1,0 +1,76 @@
+"""The in-process engine tier's harness: N communicators on N threads of this process, wired
+through one in-memory HashStore (gloo's tests do the same with threads).
+
+``run_world(world, fn)`` calls ``fn(rank, comm)`` on every rank's thread with a started
+communicator and returns the results in rank order; the first rank's exception is re-raised
+(its communicator is shut down, which fails the others' waits at once). ``hosts`` fakes host
+identities (``"aab"``: ranks 0 and 1 share memory, rank 2 is another host), ``transport="tcp"``
+makes every rank its own host. ``segment_kb`` and ``one_shot_bytes`` shrink the shared-memory
+segment and the one-shot limit so small tensors reach the multi-segment and chunked paths.
+Every blocking engine call releases the GIL, so the threads run truly in parallel.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from torchring import _build, _rendezvous
+from torchring._settings import Settings
+from torchring._types import OpKind, ReduceOp
+
+ENGINE = _build.load()
+
+
+def run_world(world: int, fn: Callable[[int, Any], Any], hosts: str = "", transport: str = "shm",
+              segment_kb: int = 4, one_shot_bytes: int | None = None, timeout: float = 20.0,
+              arena_mb: int = 16) -> list[Any]:
+    """Runs ``fn(rank, comm)`` on `world` wired communicators; returns the results by rank."""
+    hosts = hosts or "a" * world
+    assert len(hosts) == world, f"hosts {hosts!r} must name one host per rank"
+    groups = ([[r] for r in range(world)] if transport == "tcp"
+              else _rendezvous.host_groups(list(hosts)))
+    settings = Settings(timeout=timeout, shm_segment_kb=segment_kb, shm_arena_mb=arena_mb)
+    overrides = {} if one_shot_bytes is None else {"one_shot_bytes": one_shot_bytes}
+    store, prefix = dist.HashStore(), f"engine-test/{uuid.uuid4().hex[:8]}/"
+    results: list[Any] = [None] * world
+    errors: list[BaseException | None] = [None] * world
+
+    def rank_main(rank: int) -> None:
+        comm = _rendezvous.communicator(ENGINE, rank, world, groups, settings, "secret", **overrides)
+        try:
+            if world > 1:
+                _rendezvous.wire(comm, store, prefix, rank, "127.0.0.1", hosts[rank], groups, settings)
+            comm.start()
+            results[rank] = fn(rank, comm)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            errors[rank] = exc
+        finally:
+            comm.shutdown()
+
+    threads = [threading.Thread(target=rank_main, args=(r,), name=f"rank{r}") for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout * 3)
+    hung = [t.name for t in threads if t.is_alive()]
+    assert not hung, f"{hung} still running after {timeout * 3:g} s"
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+    return results
+
+
+def allreduce(comm: Any, t: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
+    """Blocking allreduce on the engine directly."""
+    return comm.submit(int(OpKind.ALLREDUCE), t, int(op), -1, True).wait()
+
+
+def submit(comm: Any, kind: OpKind, t: torch.Tensor | None, op: int = 0, root: int = -1,
+           inline: bool = True) -> Any:
+    """Queues one collective; returns its Work."""
+    return comm.submit(int(kind), t, int(op), root, inline)

@@ -1,0 +1,101 @@
+"""The engine's collectives, in process (tests/engine/_world.py): every dtype and op, sizes that
+cross segment boundaries and the one-shot limit, staged and zero-copy (arena) allreduce,
+broadcast from every root, allgather with uneven rows, reduce_scatter; on shared memory, TCP
+and both, at worlds 1-4, with integer data whose results are exact."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from _checks import DTYPES, Checker, expected_allreduce, rank_input, reference, valid_ops
+from _world import run_world, submit
+from torchring._types import OpKind, ReduceOp
+
+# name -> (host of each rank, transport, one-shot limit); segments are 4 KiB (1024 float32)
+LAYOUTS = {
+    "one": ("a", "shm", None),
+    "shm-2": ("aa", "shm", None),
+    "shm-3-chunked": ("aaa", "shm", 0),
+    "shm-4": ("aaaa", "shm", None),
+    "tcp-2": ("ab", "tcp", None),
+    "tcp-3": ("abc", "tcp", None),
+    "hybrid-aab": ("aab", "shm", 0),
+    "hybrid-abab": ("abab", "shm", None),
+}
+SIZES = [0, 1, 7, 1000, 1024 * 3 + 5]  # the last is several segments of every dtype
+
+
+def _allreduce_sweep(rank: int, comm: Any, world: int) -> list[str]:
+    chk = Checker(rank)
+    for dtype in DTYPES + [torch.bool]:
+        for op in valid_ops(dtype):
+            for n in SIZES:
+                t = rank_input(rank, world, n, dtype, op)
+                got = submit(comm, OpKind.ALLREDUCE, t, ReduceOp[op]).wait()
+                chk.equal(f"allreduce {dtype} {op} [{n}]", got, expected_allreduce(world, n, dtype, op))
+        # Zero-copy: every rank's tensor in its shared-memory arena (plain memory for a rank
+        # with no local peer, as torchring.empty does).
+        for n in (5, 1024 * 5 + 3):
+            shared = comm.empty_shared([n], dtype)
+            if shared is None:
+                shared = torch.empty(n, dtype=dtype)
+            shared.copy_(rank_input(rank, world, n, dtype, "MAX"))
+            submit(comm, OpKind.ALLREDUCE, shared, ReduceOp.MAX).wait()
+            chk.equal(f"zero-copy allreduce {dtype} MAX [{n}]", shared,
+                      expected_allreduce(world, n, dtype, "MAX"))
+    # Queued async operations complete in submission order with exact results.
+    works = [submit(comm, OpKind.ALLREDUCE, rank_input(rank, world, 100 * i, torch.int64), 0,
+                    inline=False) for i in range(1, 6)]
+    for i, work in enumerate(works, 1):
+        chk.equal(f"async allreduce #{i}", work.wait(), expected_allreduce(world, 100 * i, torch.int64, "SUM"))
+    return chk.failures
+
+
+def _rooted_and_gathers(rank: int, comm: Any, world: int) -> list[str]:
+    chk = Checker(rank)
+    for dtype in (torch.float32, torch.bfloat16, torch.int8, torch.int64):
+        for root in range(world):
+            for n in SIZES:
+                t = rank_input(rank, world, n, dtype)
+                want = rank_input(root, world, n, dtype)
+                chk.equal(f"broadcast {dtype} root={root} [{n}]",
+                          submit(comm, OpKind.BROADCAST, t, 0, root).wait(), want)
+        for cols in (1, 3, 700):  # rank r contributes r+1 rows, rank 1 none
+            rows = [0 if r == 1 else r + 1 for r in range(world)]
+            mine = rank_input(rank, world, rows[rank] * cols, dtype, shape=(rows[rank], cols))
+            want = torch.cat([rank_input(r, world, rows[r] * cols, dtype, shape=(rows[r], cols))
+                              for r in range(world)])
+            chk.equal(f"allgather {dtype} rows={rows} cols={cols}",
+                      submit(comm, OpKind.ALLGATHER, mine).wait(), want)
+        for op in valid_ops(dtype):
+            for per_rank in (1, 5, 1024 * 2 + 1):
+                n = per_rank * world
+                inputs = [rank_input(r, world, n, dtype, op) for r in range(world)]
+                got = submit(comm, OpKind.REDUCE_SCATTER, inputs[rank], ReduceOp[op]).wait()
+                want = reference(inputs, op)[rank * per_rank:(rank + 1) * per_rank]
+                chk.equal(f"reduce_scatter {dtype} {op} [{n}]", got, want)
+    submit(comm, OpKind.BARRIER, None).wait()
+    return chk.failures
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_allreduce_every_dtype_op_and_size(layout: str) -> None:
+    hosts, transport, one_shot = LAYOUTS[layout]
+    world = len(hosts)
+    results = run_world(world, lambda r, c: _allreduce_sweep(r, c, world), hosts, transport,
+                        one_shot_bytes=one_shot)
+    failures = [f for r in results for f in r]
+    assert not failures, "\n".join(failures[:20])
+
+
+@pytest.mark.parametrize("layout", ["one", "shm-3-chunked", "tcp-3", "hybrid-abab"])
+def test_broadcast_allgather_reduce_scatter(layout: str) -> None:
+    hosts, transport, one_shot = LAYOUTS[layout]
+    world = len(hosts)
+    results = run_world(world, lambda r, c: _rooted_and_gathers(r, c, world), hosts, transport,
+                        one_shot_bytes=one_shot)
+    failures = [f for r in results for f in r]
+    assert not failures, "\n".join(failures[:20])

@@ -1,0 +1,82 @@
+"""The engine's error contract, in process: a mismatch fails that operation on every rank with
+CollectiveMismatchError and the next one is exact; an expired wait(timeout) is a
+WaitTimeoutError and the operation still completes; a rank that stops fails the others with
+CommunicatorFailedError within the timeout, and every later operation says so."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import torchring
+from _checks import expected_allreduce, rank_input
+from _world import allreduce, run_world, submit
+from torchring._types import OpKind
+
+
+@pytest.mark.parametrize("hosts,transport", [("aaa", "shm"), ("abc", "tcp"), ("aab", "shm")])
+def test_shape_mismatch_then_exact(hosts: str, transport: str) -> None:
+    world = len(hosts)
+
+    def job(rank: int, comm: Any) -> tuple[str, bool]:
+        shape = (100, 10) if rank == 1 else (10, 100)
+        try:
+            allreduce(comm, torch.zeros(shape))
+            error = "no error"
+        except torchring.CollectiveMismatchError as e:
+            error = str(e)
+        t = rank_input(rank, world, 2000, torch.float32)
+        return error, torch.equal(allreduce(comm, t), expected_allreduce(world, 2000, torch.float32, "SUM"))
+
+    for rank, (error, exact) in enumerate(run_world(world, job, hosts, transport)):
+        assert "rank 0 sent allreduce float32[10, 100] SUM, rank 1 sent allreduce float32[100, 10]" \
+            in error, f"rank {rank}: {error}"
+        assert exact, f"rank {rank}: the allreduce after the mismatch is wrong"
+
+
+def test_wait_timeout_leaves_the_operation_running() -> None:
+    late = threading.Event()
+
+    def job(rank: int, comm: Any) -> Any:
+        if rank == 1:
+            late.wait(10)  # rank 0's wait(timeout) must expire first
+            return allreduce(comm, torch.ones(4))
+        work = submit(comm, OpKind.ALLREDUCE, torch.ones(4), inline=False)
+        try:
+            work.wait(0.2)
+            expired = "no error"
+        except torchring.WaitTimeoutError as e:
+            expired = str(e)
+        late.set()
+        return expired, work.wait().tolist()
+
+    (expired, result), other = run_world(2, job)
+    assert expired.startswith("rank 0: allreduce #0: Handle.wait(timeout=0.2) expired"), expired
+    assert result == [2.0] * 4 and other.tolist() == [2.0] * 4
+
+
+@pytest.mark.parametrize("hosts,transport", [("aa", "shm"), ("ab", "tcp")])
+def test_a_silent_rank_fails_the_communicator_within_the_timeout(hosts: str, transport: str) -> None:
+    release = threading.Event()
+
+    def job(rank: int, comm: Any) -> Any:
+        if rank == 1:
+            release.wait(30)  # silent: issues nothing until rank 0 gave up
+            return None
+        start = time.monotonic()
+        with pytest.raises(torchring.CommunicatorFailedError) as first:
+            allreduce(comm, torch.ones(8))
+        elapsed = time.monotonic() - start
+        with pytest.raises(torchring.CommunicatorFailedError) as later:
+            allreduce(comm, torch.ones(8))
+        release.set()
+        return str(first.value), elapsed, str(later.value)
+
+    (first, elapsed, later), _ = run_world(2, job, hosts, transport, timeout=1.0)
+    assert "rank 1" in first and "torchring.shutdown() and torchring.init()" in first, first
+    assert elapsed < 1.0 + 3.0, f"took {elapsed:.1f} s with a 1 s timeout"
+    assert "failed earlier" in later and "allreduce #1" in later, later
