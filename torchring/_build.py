@@ -201,5 +201,6 @@ def _require_asan_runtime() -> None:
             return
     raise ImportError(
         "TORCHRING_DEBUG_BUILD=1 builds the engine with AddressSanitizer, whose runtime must be "
-        "loaded first: run python as LD_PRELOAD=$(gcc -print-file-name=libasan.so) "
+        "loaded first (and libstdc++ with it, or ASan cannot intercept C++ exceptions): run "
+        "LD_PRELOAD=\"$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so)\" "
         "ASAN_OPTIONS=detect_leaks=0 python ..., or unset TORCHRING_DEBUG_BUILD")

@@ -88,7 +88,8 @@ at::Tensor Communicator::allgather(const at::Tensor& input, const std::vector<Op
     for (int r : local) pieces.emplace_back(offset[r], offset[r + 1] - offset[r]);
     shm_->allgather(src, dst, pieces);
   } else {
-    std::memcpy(dst + offset[opt_.rank], src, offset[opt_.rank + 1] - offset[opt_.rank]);
+    const size_t mine = offset[opt_.rank + 1] - offset[opt_.rank];
+    if (mine > 0) std::memcpy(dst + offset[opt_.rank], src, mine);  // src may be null then
   }
   if (numHosts() > 1) {
     if (tcp_) {

@@ -80,7 +80,7 @@ void ShmGroup::allgather(const char* src, char* out,
   const int n = localSize(), me = opt_.localIndex;
   size_t most = 0;
   for (auto& chunk : chunks) most = std::max(most, chunk.second);
-  std::memcpy(out + chunks[me].first, src, chunks[me].second);
+  if (chunks[me].second > 0) std::memcpy(out + chunks[me].first, src, chunks[me].second);  // src may be null then
   for (size_t start = 0; start < most; start += opt_.segmentBytes) {
     const int buf = nextBuffer();
     if (start < chunks[me].second) {
