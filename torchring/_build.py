@@ -142,6 +142,7 @@ def load(verbose: bool = False) -> ModuleType:
         _require_asan_runtime()
     module = _import_built(built)
     _types.check_engine(module)
+    module.set_warning_sink(_engine_warning)
     _module = module
     return _module
 
@@ -182,6 +183,11 @@ def _compile(directory: Path, verbose: bool) -> None:
         is_python_module=True,
     )
     logger.info("engine built in %.0f s", time.time() - start)
+
+
+def _engine_warning(message: str) -> None:
+    """Where the engine's warnings (a refused stray connection, the NCCL watchdog) go."""
+    logger.warning("%s", message)
 
 
 def flags() -> list[str]:

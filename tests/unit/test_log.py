@@ -10,6 +10,7 @@ from typing import Iterator
 
 import pytest
 
+from torchring import _build
 from torchring._log import logger
 
 
@@ -79,3 +80,11 @@ def test_without_propagation_the_fallback_still_prints(capsys: pytest.CaptureFix
         logger.propagate = False  # the root's handlers never see it, so the fallback must
         logger.info("kept")
     assert capsys.readouterr().err == "torchring: kept\n" and recorder.messages == []
+
+
+def test_engine_warnings_from_its_threads_reach_the_logger(caplog: pytest.LogCaptureFixture) -> None:
+    engine = _build.load()
+    with caplog.at_level(logging.WARNING, logger="torchring"):
+        engine.warn_from_thread("rank 3: refused connection from 198.18.0.9:4242: wrong job secret")
+    assert [(r.name, r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("torchring", "WARNING", "rank 3: refused connection from 198.18.0.9:4242: wrong job secret")]

@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 
 #include <optional>
+#include <thread>
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
@@ -87,6 +88,38 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     }
   });
   m.def("build_info", &buildInfo);
+  // warn() from any engine thread reaches `sink` (the "torchring" logger) with the GIL held;
+  // while the interpreter finalizes, or if the sink raises, the message goes to stderr.
+  m.def(
+      "set_warning_sink",
+      [](py::function sink) {
+        auto* keep = new py::function(std::move(sink));  // leaked: engine threads may outlive it
+        torchring::setWarningSink([keep](const std::string& message) {
+#if PY_VERSION_HEX >= 0x030D0000
+          const bool finalizing = Py_IsFinalizing();
+#else
+          const bool finalizing = _Py_IsFinalizing();
+#endif
+          if (Py_IsInitialized() && !finalizing) {
+            py::gil_scoped_acquire gil;
+            try {
+              (*keep)(message);
+              return;
+            } catch (py::error_already_set& e) {
+              e.discard_as_unraisable("torchring warning sink");
+            }
+          }
+          std::fprintf(stderr, "torchring: %s\n", message.c_str());
+        });
+      },
+      py::arg("sink"));
+  m.def(
+      "warn_from_thread",
+      [](const std::string& message) {
+        py::gil_scoped_release release;
+        std::thread([message] { torchring::warn(message); }).join();
+      },
+      py::arg("message"), "Test-only: warn() from a thread of the engine's own, as the watchdog does.");
 
   // The engine's enums by name and value; torchring._types checks its mirror against them.
   py::dict reduceOps, opKinds;

@@ -3,6 +3,8 @@
 #include <pthread.h>
 
 #include <atomic>
+#include <cstdio>
+#include <mutex>
 
 #include <sstream>
 
@@ -107,6 +109,30 @@ bool OpHeader::matches(const OpHeader& o) const {
       return dtype == o.dtype && count == o.count && root == o.root && sameShape(o, 0);
     default:
       return dtype == o.dtype && count == o.count && op == o.op && sameShape(o, 0);
+  }
+}
+
+namespace {
+std::mutex sinkMutex;
+std::function<void(const std::string&)>* warningSink = nullptr;  // leaked: outlives every caller
+}  // namespace
+
+void setWarningSink(std::function<void(const std::string&)> sink) {
+  std::lock_guard<std::mutex> lock(sinkMutex);
+  if (warningSink == nullptr) warningSink = new std::function<void(const std::string&)>();
+  *warningSink = std::move(sink);
+}
+
+void warn(const std::string& message) {
+  std::function<void(const std::string&)> sink;
+  {
+    std::lock_guard<std::mutex> lock(sinkMutex);
+    if (warningSink != nullptr) sink = *warningSink;  // called without the lock held
+  }
+  if (sink) {
+    sink(message);
+  } else {
+    std::fprintf(stderr, "torchring: %s\n", message.c_str());
   }
 }
 

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <stdexcept>
 #include <string>
 
@@ -96,6 +97,13 @@ struct OpHeader {
 // means the caller is a forked child holding a copy (it shares the parent's sockets and
 // shared memory, and has none of its threads), found without a system call.
 uint64_t forkGeneration();
+
+// Something the user should see that is not an error of a call (a refused stray connection,
+// the NCCL watchdog's abort): handed to the sink Python installs (the "torchring" logger),
+// else printed to stderr. Callable from any thread.
+void warn(const std::string& message);
+// Installs the sink warn() calls; an empty function restores stderr.
+void setWarningSink(std::function<void(const std::string&)> sink);
 
 using Clock = std::chrono::steady_clock;
 

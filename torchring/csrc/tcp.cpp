@@ -12,7 +12,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <iostream>
 #include <sstream>
 #include <thread>
 
@@ -155,8 +154,8 @@ bool TcpRing::acceptOne(double remaining) {
              std::to_string(hello.toRank) + ", expected rank " + std::to_string(opt_.leftRank);
   }
   if (!reason.empty()) {
-    std::cerr << "torchring rank " << opt_.rank << ": refused connection from " << peerName(fd)
-              << ": " << reason << std::endl;
+    warn("rank " + std::to_string(opt_.rank) + ": refused connection from " + peerName(fd) + ": " +
+         reason);
     ::close(fd);
     return false;
   }

@@ -183,7 +183,7 @@ void NcclComm::abortLocked(const std::string& why) {
 // since no caller may look for a while. (check() aborted already when it is the source.)
 void NcclComm::failLocked(const std::string& why) {
   abortLocked(why.find(kAborted) == std::string::npos ? why + kAborted : why);
-  std::fprintf(stderr, "torchring watchdog: %s\n", failure_.c_str());
+  warn("watchdog: " + failure_);
   std::fflush(stderr);
 }
 
@@ -303,7 +303,7 @@ void NcclComm::watch() {
       if (!why.empty()) failLocked(why);
     }
   } catch (const std::exception& e) {  // never let an exception end the process from here
-    std::fprintf(stderr, "torchring watchdog (rank %d) stopped: %s\n", rank_, e.what());
+    warn("watchdog (rank " + std::to_string(rank_) + ") stopped: " + e.what());
   }
 }
 
