@@ -1,4 +1,4 @@
-"""``python -m torchring.build`` reports what was built: the transports and whether NCCL is in."""
+"""``python -m torchring.build`` reports what was built: whether NCCL (and CUDA) are in, as the engine says."""
 
 from __future__ import annotations
 
@@ -8,23 +8,25 @@ import sys
 
 import torch
 
+from torchring import _build
+
 
 def test_build_report() -> None:
     cmd = [sys.executable, "-m", "torchring.build"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"exit code {proc.returncode}:\n{out}"
-    lower = out.lower()
-    for transport in ("shm", "tcp"):
-        assert transport in lower, f"the report does not name the {transport} transport:\n{out}"
-    nccl = [line for line in lower.splitlines() if "nccl" in line]
-    assert nccl, f"the report does not say whether NCCL was built:\n{out}"
-    said_no = r"\b(no|false|off|disabled|not|without|unavailable)\b"
-    from torchring import _build
+    engine = _build.load()  # the build the report just made or found, loaded here too
+    info = engine.build_info()
+    has_nccl = hasattr(engine, "NcclComm")
+    assert bool(info["nccl"]) == has_nccl, \
+        f"build_info() says nccl={info['nccl']}, but the engine {'has' if has_nccl else 'lacks'} NcclComm"
+    for key in ("nccl", "cuda"):
+        said = re.findall(rf"^\s*{key}\s*:\s*(yes|no)\b", out, re.MULTILINE)
+        assert said == ["yes" if info[key] else "no"], \
+            f"build_info() says {key}={info[key]}, the report's {key} line says {said}:\n{out}"
     if torch.version.cuda is None:
-        assert any(re.search(said_no, line) for line in nccl), \
-            f"NCCL reported as built against a CPU build of torch:\n{out}"
+        assert not info["nccl"], f"NCCL reported as built against a CPU build of torch:\n{out}"
     elif _build.nccl_paths() is not None:
         # A CUDA build of torch compiles the NCCL path even without a GPU (CI does this).
-        assert any(re.search(r"nccl\s*:\s*yes", line) for line in nccl), \
-            f"CUDA torch with NCCL headers, but the report says NCCL was not built:\n{out}"
+        assert info["nccl"], f"CUDA torch with NCCL headers, but NCCL was not built:\n{out}"
