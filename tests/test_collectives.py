@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from _checks import Checker, assert_no_failures, check_transport, expected_allreduce, rank_input
-from _dist import hybrid_env, spawn
+from _dist import hybrid_env, session, spawn
 
 ROWS = [0, 3, 1, 2]  # allgather rows per rank: dim 0 differs, rank 0 contributes nothing
 BIG = 2**18 + 1
@@ -155,8 +155,7 @@ def _collective_cases(rank: int) -> list[str]:
     """Run every collective check inside one torchring session; return the mismatches."""
     import torchring
 
-    torchring.init()
-    try:
+    with session():
         world = torchring.size()
         chk = Checker(rank)
         _check_topology(chk)
@@ -165,8 +164,6 @@ def _collective_cases(rank: int) -> list[str]:
                       _check_barrier, _check_objects):
             check(chk, rank, world)
         return chk.failures
-    finally:
-        torchring.shutdown()
 
 
 def test_world1() -> None:

@@ -12,7 +12,7 @@ from torch.utils.data import Dataset, IterableDataset
 from torch.utils.data.distributed import DistributedSampler as TorchSampler
 
 import torchring.data as trd
-from _dist import spawn
+from _dist import session, spawn
 
 
 @pytest.mark.parametrize("shuffle,drop_last", list(itertools.product([True, False], [True, False])))
@@ -123,16 +123,13 @@ class _Noisy(Dataset):
 
 
 def _seeded_draws(rank: int) -> list[list[int]]:
-    import torchring
     import torchring.data as data
-    torchring.init()
-    try:
+
+    with session():
         torch.manual_seed(0)  # the same global seed everywhere, as users do for model init
         loader = data.DataLoader(_Noisy(), batch_size=2, shuffle=False, num_workers=2, seed=5)
         assert loader.num_workers == 2 and loader.persistent_workers
         return torch.cat(list(loader)).tolist()
-    finally:
-        torchring.shutdown()
 
 
 def test_worker_seeds_differ_per_rank_and_repeat_per_run() -> None:
@@ -144,10 +141,9 @@ def test_worker_seeds_differ_per_rank_and_repeat_per_run() -> None:
 
 
 def _exact_eval(rank: int) -> dict:
-    import torchring
     import torchring.data as data
-    torchring.init()
-    try:
+
+    with session():
         ds = list(range(10))
         sampler = data.DistributedSampler(ds, shuffle=True, exact=True)
         mine = torch.tensor([[3 * i, i % 2] for i in sampler])
@@ -156,8 +152,6 @@ def _exact_eval(rank: int) -> dict:
         padded = data.DistributedSampler(ds, shuffle=False)
         with_pad = data.gather_ordered(torch.tensor([[3 * i] for i in padded]), padded)
         return {"ordered": ordered.tolist(), "metrics": metrics, "padded": with_pad.tolist()}
-    finally:
-        torchring.shutdown()
 
 
 def test_exact_evaluation_gathers_every_sample_once() -> None:
@@ -168,10 +162,9 @@ def test_exact_evaluation_gathers_every_sample_once() -> None:
 
 
 def _loader_defaults(rank: int) -> dict:
-    import torchring
     import torchring.data as data
-    torchring.init()
-    try:
+
+    with session():
         loader = data.DataLoader(list(range(10)), batch_size=2)
         try:
             data.DataLoader(list(range(5)), batch_size=4, drop_last=True)
@@ -183,8 +176,6 @@ def _loader_defaults(rank: int) -> dict:
                 "persistent": loader.persistent_workers, "prefetch": loader.prefetch_factor,
                 "batches": batches, "error": error,
                 "prefetched": [b.tolist() for b in data.DevicePrefetcher(loader)]}
-    finally:
-        torchring.shutdown()
 
 
 def test_loader_defaults_and_errors() -> None:

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from _checks import Checker, expected_allreduce, rank_input
-from _dist import Job, StoreGate, free_port, hybrid_env, launch_env, run_alone, spawn
+from _dist import Job, StoreGate, free_port, hybrid_env, launch_env, run_alone, session, spawn
 
 KILL_TIMEOUT = 4.0  # TORCHRING_TIMEOUT for the dead and silent peer tests
 KILL_MARGIN = 8.0  # how much later than the timeout the survivors may raise
@@ -49,26 +49,24 @@ def _gpu_check_job(rank: int, odd: int) -> dict[str, Any]:
         return None
 
     out: dict[str, Any] = {}
-    torchring.init()
-    world = torchring.size()
-    first = check(_Kind.ALLREDUCE, torch.zeros(10))
-    t = rank_input(rank, world, 100, torch.float32)
-    torchring.allreduce(t)
-    second = check(_Kind.BROADCAST, torch.zeros(5), root=world - 1)
-    out["agree"] = [error_of(first), error_of(second)]
-    out["cpu_result_ok"] = torch.equal(t, expected_allreduce(world, 100, torch.float32, "SUM"))
-    out["count"] = error_of(check(_Kind.ALLREDUCE, torch.zeros(11 if rank == odd else 10)))
-    torchring.shutdown()
-    torchring.init()
-    if rank == odd:
-        try:
-            torchring.allreduce(torch.zeros(10))
-            out["cpu_vs_gpu"] = None
-        except torchring.TorchringError as e:
-            out["cpu_vs_gpu"] = str(e)
-    else:
-        out["cpu_vs_gpu"] = error_of(check(_Kind.ALLREDUCE, torch.zeros(10)))
-    torchring.shutdown()
+    with session():
+        world = torchring.size()
+        first = check(_Kind.ALLREDUCE, torch.zeros(10))
+        t = rank_input(rank, world, 100, torch.float32)
+        torchring.allreduce(t)
+        second = check(_Kind.BROADCAST, torch.zeros(5), root=world - 1)
+        out["agree"] = [error_of(first), error_of(second)]
+        out["cpu_result_ok"] = torch.equal(t, expected_allreduce(world, 100, torch.float32, "SUM"))
+        out["count"] = error_of(check(_Kind.ALLREDUCE, torch.zeros(11 if rank == odd else 10)))
+    with session():  # a fresh communicator for the CPU-vs-CUDA case
+        if rank == odd:
+            try:
+                torchring.allreduce(torch.zeros(10))
+                out["cpu_vs_gpu"] = None
+            except torchring.TorchringError as e:
+                out["cpu_vs_gpu"] = str(e)
+        else:
+            out["cpu_vs_gpu"] = error_of(check(_Kind.ALLREDUCE, torch.zeros(10)))
     return out
 
 
@@ -205,8 +203,7 @@ def _hostile_job(rank: int) -> list[str]:
     """A few allreduces once the ring is up (despite the attacker); return the mismatches."""
     import torchring
 
-    torchring.init()
-    try:
+    with session():
         world = torchring.size()
         chk = Checker(rank)
         for dtype, op, n in [(torch.float32, "SUM", 1000), (torch.int64, "MAX", 7),
@@ -215,8 +212,6 @@ def _hostile_job(rank: int) -> list[str]:
             torchring.allreduce(t, getattr(torchring.ReduceOp, op))
             chk.equal(f"allreduce({dtype}[{n}], {op})", t, expected_allreduce(world, n, dtype, op))
         return chk.failures
-    finally:
-        torchring.shutdown()
 
 
 def _attack(job: Job, gate: StoreGate) -> None:
@@ -391,21 +386,20 @@ def _alone_job(rank: int) -> list[str]:
     chk = Checker(rank)
     _raises(chk, "allreduce before init()", RuntimeError, lambda: torchring.allreduce(torch.ones(2)), "init")
     before = _socket_count()
-    torchring.init()
-    chk.true("no sockets", _socket_count() == before, f"{_socket_count() - before} sockets opened")
-    got = (torchring.rank(), torchring.size(), torchring.local_rank(), torchring.local_size())
-    chk.true("(rank, size, local_rank, local_size)", got == (0, 1, 0, 1), f"got {got}")
-    for op in ("SUM", "AVG", "MAX", "PRODUCT"):
-        t = rank_input(0, 1, 100, torch.float32, op)
-        chk.equal(f"allreduce {op}", torchring.allreduce(t.clone(), getattr(torchring.ReduceOp, op)), t)
-    t = rank_input(0, 1, 12, torch.int32, shape=(6, 2))
-    chk.equal("broadcast", torchring.broadcast(t.clone()), t)
-    chk.equal("allgather", torchring.allgather(t), t)
-    chk.equal("reduce_scatter", torchring.reduce_scatter(t), t)
-    torchring.barrier()
-    objects = (torchring.broadcast_object({"a": 1}), torchring.allgather_object(2))
-    chk.true("objects", objects == ({"a": 1}, [2]), f"got {objects}")
-    torchring.shutdown()
+    with session():
+        chk.true("no sockets", _socket_count() == before, f"{_socket_count() - before} sockets opened")
+        got = (torchring.rank(), torchring.size(), torchring.local_rank(), torchring.local_size())
+        chk.true("(rank, size, local_rank, local_size)", got == (0, 1, 0, 1), f"got {got}")
+        for op in ("SUM", "AVG", "MAX", "PRODUCT"):
+            t = rank_input(0, 1, 100, torch.float32, op)
+            chk.equal(f"allreduce {op}", torchring.allreduce(t.clone(), getattr(torchring.ReduceOp, op)), t)
+        t = rank_input(0, 1, 12, torch.int32, shape=(6, 2))
+        chk.equal("broadcast", torchring.broadcast(t.clone()), t)
+        chk.equal("allgather", torchring.allgather(t), t)
+        chk.equal("reduce_scatter", torchring.reduce_scatter(t), t)
+        torchring.barrier()
+        objects = (torchring.broadcast_object({"a": 1}), torchring.allgather_object(2))
+        chk.true("objects", objects == ({"a": 1}, [2]), f"got {objects}")
     return chk.failures
 
 
@@ -422,8 +416,7 @@ def _forked_child_job(rank: int) -> list[str]:
 
     import torchring
 
-    torchring.init()
-    try:
+    with session():
         chk = Checker(rank)
         world = torchring.size()
         if rank == 0:
@@ -449,8 +442,6 @@ def _forked_child_job(rank: int) -> list[str]:
             chk.equal(f"allreduce of {n} after a forked child exited", t,
                       expected_allreduce(world, n, torch.float32, "SUM"))
         return chk.failures
-    finally:
-        torchring.shutdown()
 
 
 BIG_AFTER_FORK = 3 << 18  # 3 MiB of float32: several TCP segments and staging chunks

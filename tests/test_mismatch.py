@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from _checks import Checker, expected_allreduce, rank_input
-from _dist import hybrid_env, spawn
+from _dist import hybrid_env, session, spawn
 
 # One collective call: (kind, dtype, shape, op, src).
 Call = tuple[str, torch.dtype, tuple[int, ...], str, int]
@@ -76,37 +76,36 @@ def _mismatch_job(rank: int, odd: int) -> dict[str, Any]:
     import torchring
 
     chk = Checker(rank)
-    torchring.init()
-    world = torchring.size()
-    errors: dict[str, str | None] = {}
-    elapsed: dict[str, float] = {}
-    _exact_allreduce(chk, rank, world, "before any mismatch")
-    for case, (agree, differ, _) in MISMATCHES.items():
-        start, errors[case] = time.monotonic(), None
-        try:
-            for call in differ if rank == odd else agree:
-                _issue(call, rank, world)
-        except torchring.CollectiveMismatchError as e:
-            errors[case] = str(e)
-        elapsed[case] = time.monotonic() - start
-        _exact_allreduce(chk, rank, world, f"allreduce after the {case} mismatch")
+    with session():
+        world = torchring.size()
+        errors: dict[str, str | None] = {}
+        elapsed: dict[str, float] = {}
+        _exact_allreduce(chk, rank, world, "before any mismatch")
+        for case, (agree, differ, _) in MISMATCHES.items():
+            start, errors[case] = time.monotonic(), None
+            try:
+                for call in differ if rank == odd else agree:
+                    _issue(call, rank, world)
+            except torchring.CollectiveMismatchError as e:
+                errors[case] = str(e)
+            elapsed[case] = time.monotonic() - start
+            _exact_allreduce(chk, rank, world, f"allreduce after the {case} mismatch")
 
-    # Async: a mismatched handle raises from wait(); the handles queued after it are exact.
-    bad = torch.zeros(7 if rank == odd else 8)
-    first = torchring.allreduce_async(bad)
-    good = rank_input(rank, world, 500, torch.int64)
-    second = torchring.allreduce_async(good)
-    third = torchring.allgather_async(torch.full((rank + 1, 2), rank, dtype=torch.int32))
-    try:
-        first.wait()
-        errors["async"] = None
-    except torchring.CollectiveMismatchError as e:
-        errors["async"] = str(e)
-    chk.equal("async allreduce after a mismatched one", second.wait(),
-              expected_allreduce(world, 500, torch.int64, "SUM"))
-    want = torch.cat([torch.full((r + 1, 2), r, dtype=torch.int32) for r in range(world)])
-    chk.equal("async allgather after a mismatched one", third.wait(), want)
-    torchring.shutdown()
+        # Async: a mismatched handle raises from wait(); the handles queued after it are exact.
+        bad = torch.zeros(7 if rank == odd else 8)
+        first = torchring.allreduce_async(bad)
+        good = rank_input(rank, world, 500, torch.int64)
+        second = torchring.allreduce_async(good)
+        third = torchring.allgather_async(torch.full((rank + 1, 2), rank, dtype=torch.int32))
+        try:
+            first.wait()
+            errors["async"] = None
+        except torchring.CollectiveMismatchError as e:
+            errors["async"] = str(e)
+        chk.equal("async allreduce after a mismatched one", second.wait(),
+                  expected_allreduce(world, 500, torch.int64, "SUM"))
+        want = torch.cat([torch.full((r + 1, 2), r, dtype=torch.int32) for r in range(world)])
+        chk.equal("async allgather after a mismatched one", third.wait(), want)
     return {"errors": errors, "elapsed": elapsed, "failures": chk.failures}
 
 
