@@ -200,9 +200,16 @@ def test_dead_or_silent_peer(world: int, victim: int, setup: str, sig: str) -> N
 
 
 def _hostile_job(rank: int) -> list[str]:
-    """A few allreduces once the ring is up (despite the attacker); return the mismatches."""
+    """A few allreduces once the ring is up (despite the attacker); return the mismatches, and
+    on rank 0 also check that each refused connection was reported through the logger."""
+    import logging
+
     import torchring
 
+    refused: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: refused.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("torchring").addHandler(handler)
     with session():
         world = torchring.size()
         chk = Checker(rank)
@@ -211,7 +218,13 @@ def _hostile_job(rank: int) -> list[str]:
             t = rank_input(rank, world, n, dtype, op)
             torchring.allreduce(t, getattr(torchring.ReduceOp, op))
             chk.equal(f"allreduce({dtype}[{n}], {op})", t, expected_allreduce(world, n, dtype, op))
-        return chk.failures
+    # Only rank 0 listens for the attacker (and the rank that connects to it is never refused).
+    pattern = re.compile(rf"rank 0: refused connection from 127\.0\.0\.1:\d+: .+")
+    if rank == 0:
+        chk.true("refused connections logged", len(refused) >= 1, "no warning was logged")
+    chk.true("log lines", all(pattern.fullmatch(m) for m in refused) and (rank == 0 or not refused),
+             f"unexpected warnings: {refused}")
+    return chk.failures
 
 
 def _attack(job: Job, gate: StoreGate) -> None:

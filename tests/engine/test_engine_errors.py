@@ -80,3 +80,17 @@ def test_a_silent_rank_fails_the_communicator_within_the_timeout(hosts: str, tra
     assert "rank 1" in first and "torchring.shutdown() and torchring.init()" in first, first
     assert elapsed < 1.0 + 3.0, f"took {elapsed:.1f} s with a 1 s timeout"
     assert "failed earlier" in later and "allreduce #1" in later, later
+
+
+@pytest.mark.parametrize("rank,size,hosts,words", [
+    (2, 2, [[0, 1]], "rank 2 must be in [0, size)"),
+    (0, 3, [[0, 1]], "CommOptions.hosts misses rank 2"),
+    (0, 2, [[0, 1], [1]], "CommOptions.hosts lists rank 1 twice"),
+])
+def test_bad_options_are_a_value_error(rank: int, size: int, hosts: list[list[int]], words: str) -> None:
+    from _world import ENGINE
+
+    options = ENGINE.CommOptions()
+    options.rank, options.size, options.hosts = rank, size, hosts
+    with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        ENGINE.Communicator(options)

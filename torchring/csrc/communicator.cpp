@@ -28,21 +28,27 @@ DType toDType(at::ScalarType type) {
 
 Communicator::Communicator(CommOptions options)
     : opt_(std::move(options)), forkGeneration_(forkGeneration()) {
+  if (opt_.size < 1 || opt_.rank < 0 || opt_.rank >= opt_.size) {
+    throw std::invalid_argument("CommOptions: rank " + std::to_string(opt_.rank) +
+                                " must be in [0, size) with size >= 1, got size " + std::to_string(opt_.size));
+  }
   rankHost_.assign(opt_.size, -1);
   rankLocal_.assign(opt_.size, -1);
   for (size_t h = 0; h < opt_.hosts.size(); ++h) {
     for (size_t i = 0; i < opt_.hosts[h].size(); ++i) {
       int r = opt_.hosts[h][i];
       if (r < 0 || r >= opt_.size || rankHost_[r] != -1) {
-        throw std::invalid_argument("host table lists rank " + std::to_string(r) +
-                                    " twice or out of range");
+        throw std::invalid_argument(rankText() + ": CommOptions.hosts lists rank " + std::to_string(r) +
+                                    " twice or outside [0, " + std::to_string(opt_.size) + ")");
       }
       rankHost_[r] = static_cast<int>(h);
       rankLocal_[r] = static_cast<int>(i);
     }
   }
   for (int r = 0; r < opt_.size; ++r) {
-    if (rankHost_[r] < 0) throw std::invalid_argument("host table misses rank " + std::to_string(r));
+    if (rankHost_[r] < 0) {
+      throw std::invalid_argument(rankText() + ": CommOptions.hosts misses rank " + std::to_string(r));
+    }
   }
   hostIndex_ = rankHost_[opt_.rank];
   localIndex_ = rankLocal_[opt_.rank];
