@@ -23,8 +23,11 @@ model.py; an optimizer that syncs in ``step()``):
    ``finalize()`` calls it when it was not called; a driver calls it early to overlap.
 3. ``finalize()`` waits for every bucket and the used-map and settles each ``.grad``: the
    average over all ranks when any rank used the parameter, left None when no rank did. The
-   sync's state is reset afterwards, also when it raised; the next ``mark_ready`` starts a new
-   sync. ``mark_ready`` after ``launch_remaining`` and before ``finalize`` is a driver bug.
+   sync's state is reset afterwards, also when it raised: then it first waits for every
+   allreduce it launched (a failure such as a CollectiveMismatchError leaves the communicator
+   alive, so the later ones still write into the buckets), ignoring their errors, and raises
+   the first one; the next ``mark_ready`` starts a new sync. ``mark_ready`` after
+   ``launch_remaining`` and before ``finalize`` is a driver bug and raises RuntimeError.
 4. ``rebuild_by_ready_order()`` after a ``finalize()``, at the same point on every rank: the
    first time, every rank adopts the order in which rank 0's gradients became ready in its
    first sync (through ``agree_on_order``, rank 0's broadcast by default) and the buckets are
@@ -156,6 +159,13 @@ class Reducer:
 
     def mark_ready(self, i: int) -> None:
         """Parameter i's gradient for this sync is complete: bucket it, launch what is ready."""
+        if self._used_handle is not None:
+            raise RuntimeError(
+                f"rank {self._rank}: {self._owner}: parameter '{self._names[i]}' was reported ready "
+                "after launch_remaining() and before finalize(): its bucket may already be in "
+                "flight, and writing into it would corrupt the average. The driver must call "
+                "finalize() (or recover()) before any gradient of the next sync is reported, and "
+                "must not run backward between launch_remaining() and finalize()")
         bucket, j = self._slot[i]
         if bucket.fired[j]:
             return
@@ -211,40 +221,55 @@ class Reducer:
     def finalize(self) -> None:
         """Waits for every bucket and settles each .grad (average, or None where no rank used it)."""
         try:
-            with torch.no_grad():
-                if self._used_handle is None:
-                    self.launch_remaining()
-                for bucket in self._buckets:
-                    start = time.perf_counter()
-                    bucket.handle.wait()
-                    bucket.waited = time.perf_counter() - start
-                    if bucket.wire is not None:
-                        bucket.buffer.copy_(bucket.wire)
-                self._used_handle.wait()
-                for i, p in self._was_none:
-                    if self._used[i]:
-                        bucket, j = self._slot[i]
-                        p.grad = bucket.views[j]
-            self._stats = [dict(bucket=b.index, bytes=b.nbytes, params=len(b.params),
-                                launch_before_backward_end_ms=(self._sync_end - b.launched_at) * 1e3,
-                                wait_ms=b.waited * 1e3) for b in self._buckets]
+            self._finish_sync()
+        except Exception:
+            # A failed collective can leave the communicator alive (CollectiveMismatchError):
+            # the later allreduces then still run and write into the buckets (the .grad views)
+            # and the used-map, so wait for them before the next sync may touch either.
+            self._wait_quietly()
+            raise
         finally:
-            # Also after a failure, so that a rebuilt communicator starts from a clean state.
+            # Also after a failure, so that the next sync (or a rebuilt communicator) starts clean.
             self._reset()
+
+    def _finish_sync(self) -> None:
+        """finalize() without the cleanup: launch what is left, wait, settle, record stats."""
+        with torch.no_grad():
+            if self._used_handle is None:
+                self.launch_remaining()
+            for bucket in self._buckets:
+                start = time.perf_counter()
+                bucket.handle.wait()
+                bucket.waited = time.perf_counter() - start
+                if bucket.wire is not None:
+                    bucket.buffer.copy_(bucket.wire)
+            self._used_handle.wait()
+            for i, p in self._was_none:
+                if self._used[i]:
+                    bucket, j = self._slot[i]
+                    p.grad = bucket.views[j]
+        self._stats = [dict(bucket=b.index, bytes=b.nbytes, params=len(b.params),
+                            launch_before_backward_end_ms=(self._sync_end - b.launched_at) * 1e3,
+                            wait_ms=b.waited * 1e3) for b in self._buckets]
 
     def recover(self) -> int:
         """Abandons an unfinished sync: waits for what it launched, resets; how many buckets it launched."""
         launched = self._next_bucket
-        pending = [b.handle for b in self._buckets[:launched]] + [self._used_handle]
-        for handle in pending:  # they still write into the buckets
+        self._wait_quietly()  # they still write into the buckets
+        self._reset()
+        return launched
+
+    def _wait_quietly(self) -> None:
+        """Waits for every launched bucket and the used-map, ignoring their errors (the caller
+        reports the failed or abandoned sync)."""
+        pending = [b.handle for b in self._buckets[:self._next_bucket]] + [self._used_handle]
+        for handle in pending:
             if handle is None:
                 continue
             try:
                 handle.wait()
-            except Exception:  # noqa: BLE001 - the driver reports the abandoned sync
+            except Exception:  # noqa: BLE001 - only the first failure is the caller's to raise
                 pass
-        self._reset()
-        return launched
 
     def _reset(self) -> None:
         for bucket in self._buckets:

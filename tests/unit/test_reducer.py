@@ -307,6 +307,81 @@ def test_a_failed_finalize_resets_the_sync() -> None:
     assert not reducer.in_progress
 
 
+class _Logged:
+    """A handle that logs each wait() as its launch index, then raises `error` if it has one."""
+
+    def __init__(self, log: list[int], k: int, error: str | None) -> None:
+        self.log, self.k, self.error = log, k, error
+
+    def wait(self) -> None:
+        self.log.append(self.k)
+        if self.error is not None:
+            raise RuntimeError(self.error)
+
+
+def _logging_reducer(log: list[int], errors: dict[int, str],
+                     refuse_launch: int | None = None) -> tuple[Reducer, list[ReduceOp]]:
+    """A Reducer over a, b, c (one bucket each) whose k-th allreduce fails with errors[k] when
+    waited on; launch number `refuse_launch` raises instead of returning a handle."""
+    launches: list[ReduceOp] = []
+
+    def allreduce_async(tensor: torch.Tensor, op: ReduceOp) -> _Logged:
+        k = len(launches)
+        launches.append(op)
+        if k == refuse_launch:
+            raise RuntimeError(f"launch {k} refused")
+        return _Logged(log, k, errors.get(k))
+
+    params = [torch.zeros(shape, requires_grad=True) for shape in SHAPES.values()]
+    reducer = Reducer(params, list(SHAPES), first_bucket_cap_bytes=1, bucket_cap_bytes=1,
+                      allreduce_async=allreduce_async, allocate=_alloc, rank=0)
+    return reducer, launches
+
+
+def test_a_failed_finalize_waits_for_every_later_allreduce_and_raises_the_first_error() -> None:
+    """Bucket 0 fails (a mismatch leaves the communicator alive): buckets 1 and 2 and the
+    used-map still write into this rank's buffers, so finalize() waits for them first."""
+    log: list[int] = []
+    reducer, launches = _logging_reducer(log, {0: "bucket 0 mismatched", 2: "bucket 2 failed too"})
+    reducer.launch_remaining()
+    assert launches == [ReduceOp.AVG] * 3 + [ReduceOp.MAX]
+    with pytest.raises(RuntimeError, match="bucket 0 mismatched"):
+        reducer.finalize()
+    assert sorted(set(log)) == [0, 1, 2, 3], f"waited on {log}; the used-map is launch 3"
+    assert not reducer.in_progress
+
+
+def test_a_launch_failing_in_finalize_waits_for_the_buckets_launched_before() -> None:
+    log: list[int] = []
+    reducer, launches = _logging_reducer(log, {}, refuse_launch=1)
+    with pytest.raises(RuntimeError, match="launch 1 refused"):
+        reducer.finalize()
+    assert len(launches) == 2 and log == [0], f"launched {launches}, waited on {log}"
+    assert not reducer.in_progress
+
+
+def test_mark_ready_between_launch_remaining_and_finalize_is_refused() -> None:
+    """A gradient reported while the sync is in flight would be written into a launched bucket."""
+    _, ranks = _world(2)
+    for r, rank in enumerate(ranks):
+        rank.give("c", _contribution("c", r, 2))
+        rank.give("b", _contribution("b", r, 2))
+        rank.reducer.launch_remaining()
+    ranks[0].params[0].grad = _contribution("a", 0, 2)  # a later backward's gradient
+    for name in ("a", "c"):  # c: already reported in this sync; a: not yet
+        with pytest.raises(RuntimeError, match=rf"rank 0: torchring.wrap: parameter '{name}' was "
+                                               r"reported ready after launch_remaining\(\) and "
+                                               r"before finalize\(\).*must call finalize\(\)"):
+            ranks[0].reducer.mark_ready(list(SHAPES).index(name))
+    for rank in ranks:
+        rank.reducer.finalize()
+    for name in ("b", "c"):
+        want = _mean([_contribution(name, q, 2) for q in range(2)])
+        assert torch.equal(ranks[0].grad(name), want), (name, ranks[0].grad(name), want)
+    # a was unused on every rank in the sync: its bucket averaged zeros, its gradient stays.
+    assert torch.equal(ranks[0].grad("a"), _contribution("a", 0, 2)) and ranks[1].grad("a") is None
+
+
 # ----------------------------------------------------------------------------------- rebuild
 def test_every_rank_adopts_rank_0s_ready_order_once() -> None:
     world, ranks = _world(2)
