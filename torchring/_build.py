@@ -9,6 +9,7 @@ load the result. Progress goes to the "torchring" logger (torchring._log).
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import hashlib
 import importlib.util
@@ -143,6 +144,9 @@ def load(verbose: bool = False) -> ModuleType:
     module = _import_built(built)
     _types.check_engine(module)
     module.set_warning_sink(_engine_warning)
+    # At exit (after _context's shutdown(), registered later, stopped the engine's threads),
+    # engine warnings go back to stderr: no engine thread takes the GIL while Python finalizes.
+    atexit.register(module.set_warning_sink, None)
     _module = module
     return _module
 

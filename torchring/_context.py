@@ -134,7 +134,8 @@ def is_initialized() -> bool:
 
 def _require(what: str) -> _State:
     if _state is None:
-        raise RuntimeError(f"torchring.{what}() was called before torchring.init(); call "
+        raise RuntimeError(f"torchring.{what}() was called while torchring is not initialized "
+                           "(before torchring.init() or after torchring.shutdown()); call "
                            "torchring.init() once at the start of every rank")
     return _state
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch.distributed as dist
 
 from . import _env
-from ._errors import TorchringError
+from ._errors import CommunicatorFailedError
 from ._settings import Settings
 
 _stores: dict[tuple[str, int], dist.Store] = {}
@@ -48,7 +48,7 @@ def store(launch: _env.Launch, timeout: float) -> dist.Store:
             )
         except Exception as exc:
             role = "host" if is_master else "reach"
-            raise TorchringError(
+            raise CommunicatorFailedError(
                 f"rank {launch.rank}: cannot {role} the rendezvous store at "
                 f"{launch.master_addr}:{launch.master_port} ({exc}); check MASTER_ADDR/MASTER_PORT, "
                 "that the port is free on rank 0's host, and that rank 0 was started") from exc
@@ -56,12 +56,12 @@ def store(launch: _env.Launch, timeout: float) -> dist.Store:
 
 
 def get(store: dist.Store, key: str, rank: int, what: str, timeout: float) -> bytes:
-    """The value of `key`, waiting up to `timeout`; a TorchringError naming `what` after that."""
+    """The value of `key`, waiting up to `timeout`; a CommunicatorFailedError naming `what` after that."""
     try:
         store.wait([key], timedelta(seconds=timeout))
         return store.get(key)
     except Exception as exc:
-        raise TorchringError(
+        raise CommunicatorFailedError(
             f"rank {rank}: rendezvous timed out after {timeout:g} s waiting for {what} "
             f"(store key {key!r}); is every rank started with the same WORLD_SIZE, MASTER_ADDR "
             "and MASTER_PORT, and is none of them dead?") from exc

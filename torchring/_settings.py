@@ -19,6 +19,7 @@ The launcher's variables (RANK, WORLD_SIZE, MASTER_ADDR, SLURM_*, ...) are read 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import math
 import os
 from dataclasses import dataclass
@@ -162,6 +163,15 @@ def _text(name: str, raw: str, default: str) -> str:
     return raw
 
 
+def _ipv4(name: str, raw: str, default: str) -> str:
+    try:
+        ipaddress.IPv4Address(raw)
+    except ValueError:
+        raise _fail(name, raw, "a local IPv4 address such as 198.18.0.1 (the TCP ring listens on IPv4)",
+                    default) from None
+    return raw
+
+
 def _flag(name: str, raw: str, default: str) -> bool:
     if raw not in ("0", "1"):
         raise _fail(name, raw, "0 or 1", default)
@@ -181,7 +191,7 @@ _VARIABLES = (
     _Variable("TORCHRING_TRANSPORT", "transport", _choice("auto", "shm", "tcp"), "auto"),
     _Variable("TORCHRING_HOSTNAME", "hostname", _word("a host identity"), "(this host's name)"),
     _Variable("TORCHRING_ADDR", "addr", _word("a host name or IP address"), "(the route to MASTER_ADDR)"),
-    _Variable("TORCHRING_BIND_ADDR", "bind_addr", _word("a local IP address"), "(all interfaces)"),
+    _Variable("TORCHRING_BIND_ADDR", "bind_addr", _ipv4, "(all interfaces)"),
     _Variable("TORCHRING_SHM_SEGMENT_KB", "shm_segment_kb", _integer(4, 1 << 20, "number of KiB"), "1024"),
     _Variable("TORCHRING_SHM_ARENA_MB", "shm_arena_mb", _integer(0, 1 << 20, "number of MiB"), "2048"),
     _Variable("TORCHRING_SPIN", "spin", _integer(0, 10 ** 8, "number of iterations"),

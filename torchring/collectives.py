@@ -2,7 +2,8 @@
 
 Every collective is queued on the process's communicator and runs in submission order;
 every rank must submit the same collectives in the same order (the engine compares a
-header of each and raises TorchringError on every rank when they differ). The blocking
+header of each and raises CollectiveMismatchError on every rank when they differ, after which
+the next collective runs normally; docs/errors.md has every error). The blocking
 forms run on the calling thread when nothing is queued; the ``_async`` forms return a
 Handle at once and run on the communicator's progress thread.
 

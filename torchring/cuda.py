@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-# check: package-internal (model.py checks parameters with it), not part of the public API.
-from ._gpu_path import check, device, path, reason
+from ._gpu_path import device, path, reason
 
 __all__ = ["path", "reason", "device"]

@@ -14,7 +14,7 @@ import torch
 
 import torchring
 from _checks import expected_allreduce, rank_input
-from _world import allreduce, run_world, submit
+from _world import ENGINE, allreduce, run_world, submit
 from torchring._types import OpKind
 
 
@@ -88,9 +88,31 @@ def test_a_silent_rank_fails_the_communicator_within_the_timeout(hosts: str, tra
     (0, 2, [[0, 1], [1]], "CommOptions.hosts lists rank 1 twice"),
 ])
 def test_bad_options_are_a_value_error(rank: int, size: int, hosts: list[list[int]], words: str) -> None:
-    from _world import ENGINE
-
     options = ENGINE.CommOptions()
     options.rank, options.size, options.hosts = rank, size, hosts
     with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
         ENGINE.Communicator(options)
+
+
+def test_the_engine_checks_what_its_direct_callers_pass() -> None:
+    def job(rank: int, comm: Any) -> list[str]:
+        errors = []
+        for kind, t, op, root in [(OpKind.BROADCAST, torch.ones(3), 0, 2),
+                                  (OpKind.BROADCAST, torch.ones(3), 0, -1),
+                                  (OpKind.REDUCE_SCATTER, torch.ones(3), 0, -1),
+                                  (OpKind.ALLREDUCE, None, 0, -1),
+                                  (9, torch.ones(3), 0, -1),
+                                  (OpKind.ALLREDUCE, torch.ones(3), 7, -1)]:
+            with pytest.raises(ValueError) as caught:
+                comm.submit(int(kind), t, op, root, True)
+            errors.append(str(caught.value).splitlines()[0])
+        # Nothing was queued or sent: the next collective is exact.
+        errors.append(str(allreduce(comm, torch.ones(5)).tolist()))
+        return errors
+
+    for rank, errors in enumerate(run_world(2, job)):
+        assert "broadcast root must be a rank in [0, 2), got 2" in errors[0], errors
+        assert "got -1" in errors[1] and "must be divisible by the world size 2" in errors[2], errors
+        assert "allreduce needs a tensor" in errors[3] and "unknown op kind 9" in errors[4], errors
+        assert "unknown reduce op 7" in errors[5] and errors[6] == str([2.0] * 5), errors
+        assert all(e.startswith(f"rank {rank}:") for e in errors[:4]), errors

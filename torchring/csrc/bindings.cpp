@@ -89,11 +89,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("build_info", &buildInfo);
   // warn() from any engine thread reaches `sink` (the "torchring" logger) with the GIL held;
-  // while the interpreter finalizes, or if the sink raises, the message goes to stderr.
+  // while the interpreter finalizes, or if the sink raises, the message goes to stderr. None
+  // restores stderr: torchring clears the sink at exit, after shutdown() stopped the threads.
   m.def(
       "set_warning_sink",
-      [](py::function sink) {
-        auto* keep = new py::function(std::move(sink));  // leaked: engine threads may outlive it
+      [](py::object sink) {
+        if (sink.is_none()) return torchring::setWarningSink({});
+        auto* keep = new py::function(sink.cast<py::function>());  // leaked: engine threads may outlive it
         torchring::setWarningSink([keep](const std::string& message) {
 #if PY_VERSION_HEX >= 0x030D0000
           const bool finalizing = Py_IsFinalizing();
@@ -196,14 +198,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            [](NcclComm& c, at::Tensor t, int op, std::shared_ptr<Work> check) {
              return c.allreduce(t, static_cast<ReduceOp>(op), std::move(check));
            },
-           py::arg("tensor"), py::arg("op"), py::arg("check"))
-      .def("broadcast", &NcclComm::broadcast, py::arg("tensor"), py::arg("root"), py::arg("check"))
-      .def("allgather", &NcclComm::allgather, py::arg("tensor"), py::arg("rows"), py::arg("check"))
+           py::arg("tensor"), py::arg("op"), py::arg("check"), py::call_guard<py::gil_scoped_release>())
+      .def("broadcast", &NcclComm::broadcast, py::arg("tensor"), py::arg("root"), py::arg("check"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("allgather", &NcclComm::allgather, py::arg("tensor"), py::arg("rows"), py::arg("check"),
+           py::call_guard<py::gil_scoped_release>())
       .def("reduce_scatter",
            [](NcclComm& c, at::Tensor t, int op, std::shared_ptr<Work> check) {
              return c.reduceScatter(t, static_cast<ReduceOp>(op), std::move(check));
            },
-           py::arg("tensor"), py::arg("op"), py::arg("check"))
+           py::arg("tensor"), py::arg("op"), py::arg("check"), py::call_guard<py::gil_scoped_release>())
       .def("abort", &NcclComm::abort, py::call_guard<py::gil_scoped_release>())
       .def("drain", &NcclComm::drain, py::arg("timeout"), py::call_guard<py::gil_scoped_release>())
       .def("close", &NcclComm::close, py::call_guard<py::gil_scoped_release>());
@@ -240,6 +244,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "submit",
           [](Communicator& c, int kind, std::optional<at::Tensor> tensor, int op, int root,
              bool runInline) {
+            TORCH_CHECK_VALUE(kind >= 0 && kind < torchring::kNumOpKinds, "submit: unknown op kind ", kind);
+            TORCH_CHECK_VALUE(op >= 0 && op < torchring::kNumReduceOps, "submit: unknown reduce op ", op);
             at::Tensor t = tensor.has_value() ? *tensor : at::Tensor();
             py::gil_scoped_release release;
             return c.submit(static_cast<OpKind>(kind), std::move(t), static_cast<ReduceOp>(op),

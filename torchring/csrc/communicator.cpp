@@ -195,6 +195,14 @@ OpHeader Communicator::makeHeader(OpKind kind, const at::Tensor& tensor, ReduceO
 
 std::shared_ptr<Work> Communicator::submit(OpKind kind, at::Tensor tensor, ReduceOp op, int root,
                                            bool runInline) {
+  // The Python API checked these for its callers; the engine is bound directly too (tests).
+  TORCH_CHECK_VALUE(kind == OpKind::BARRIER || tensor.defined(), rankText(), ": ", kindName(kind),
+                    " needs a tensor");
+  TORCH_CHECK_VALUE(kind != OpKind::BROADCAST || (root >= 0 && root < opt_.size), rankText(),
+                    ": broadcast root must be a rank in [0, ", opt_.size, "), got ", root);
+  TORCH_CHECK_VALUE(kind != OpKind::REDUCE_SCATTER || (tensor.dim() > 0 && tensor.size(0) % opt_.size == 0),
+                    rankText(), ": reduce_scatter: dim 0 of ", tensor.sizes(), " must be divisible by the world size ",
+                    opt_.size);
   Op item;
   item.header = makeHeader(kind, tensor, op, root);
   item.tensor = std::move(tensor);

@@ -179,12 +179,13 @@ void NcclComm::abortLocked(const std::string& why) {
   cv_.notify_all();  // the watchdog runs the abort
 }
 
-// A failure found off the caller's thread (watchdog, drain): abort, and print it at once,
-// since no caller may look for a while. (check() aborted already when it is the source.)
-void NcclComm::failLocked(const std::string& why) {
+// A failure found off the caller's thread (watchdog, drain): abort, and return the warning to
+// show at once, since no caller may look for a while. The caller warns only after releasing
+// mutex_: the warning sink takes the GIL, which a thread waiting for mutex_ may hold.
+// (check() aborted already when it is the source.)
+std::string NcclComm::failLocked(const std::string& why) {
   abortLocked(why.find(kAborted) == std::string::npos ? why + kAborted : why);
-  warn("watchdog: " + failure_);
-  std::fflush(stderr);
+  return "watchdog: " + failure_;
 }
 
 // ncclCommAbort waits for work NCCL queued on its own streams, which can take long when the
@@ -300,9 +301,15 @@ void NcclComm::watch() {
       } catch (const std::exception& e) {
         why = e.what();  // check() marked the abort already
       }
-      if (!why.empty()) failLocked(why);
+      if (!why.empty()) {
+        std::string warning = failLocked(why);
+        lock.unlock();
+        warn(warning);
+        lock.lock();
+      }
     }
   } catch (const std::exception& e) {  // never let an exception end the process from here
+    if (lock.owns_lock()) lock.unlock();
     warn("watchdog (rank " + std::to_string(rank_) + ") stopped: " + e.what());
   }
 }
@@ -322,8 +329,10 @@ void NcclComm::drain(double timeoutSec) {
             " still running after " + std::to_string(timeoutSec) + " s";
     }
     if (!why.empty()) {
-      failLocked(why);
-      break;
+      std::string warning = failLocked(why);
+      lock.unlock();
+      warn(warning);
+      return;
     }
     lock.unlock();
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -429,7 +438,21 @@ void NcclWork::failIfCheckFailed() {
 }
 
 at::Tensor NcclWork::wait(double timeoutSec) {
-  if (timeoutSec > 0) synchronize(timeoutSec);
+  // A timed wait polls: on expiry the collective is still running and nothing is aborted
+  // (WaitTimeoutError); a collective that never completes is the watchdog's to abort.
+  const auto start = Clock::now();
+  while (timeoutSec > 0 && !isCompleted()) {
+    failIfCheckFailed();
+    comm_->checkAsyncError(what_);
+    if (secondsSince(start) > timeoutSec) {
+      std::ostringstream msg;
+      msg << "rank " << comm_->rank() << ": " << what_ << ": Handle.wait(timeout=" << timeoutSec
+          << ") expired; the operation is still running and the communicator is fine (wait again, "
+          << "or raise the timeout)";
+      throw WaitTimeoutError(msg.str());
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
   failIfCheckFailed();
   comm_->checkAsyncError(what_);
   done_->block(c10::cuda::getCurrentCUDAStream(comm_->device()).stream());

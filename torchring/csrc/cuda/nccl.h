@@ -47,7 +47,8 @@ class NcclWork : public Work {
            std::shared_ptr<Work> check, at::Tensor result, std::string what);
   bool isCompleted() override;
   // Makes the caller's current stream wait for the collective; the host does not block
-  // (with timeoutSec > 0 it first synchronizes, up to that long). Raises CommFailedError if
+  // (with timeoutSec > 0 it first polls until the collective completed, and throws
+  // WaitTimeoutError, aborting nothing, if that takes longer). Raises CommFailedError if
   // the communicator failed (an NCCL error, the watchdog's timeout, or ranks that disagreed
   // on this or an earlier collective: NCCL had launched it, so NCCL is aborted).
   at::Tensor wait(double timeoutSec) override;
@@ -115,7 +116,8 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   void check(ncclResult_t result, const std::string& call, const std::string& what);
   void waitEnqueued(const std::string& call, const std::string& what);
   void abortLocked(const std::string& why);
-  void failLocked(const std::string& why);  // abortLocked + how to recover + printed at once
+  // abortLocked + how to recover; returns the warning the caller shows once mutex_ is released
+  std::string failLocked(const std::string& why);
   // Drops completed, agreed collectives from the front; returns why the communicator must
   // be aborted ("" if not): a failed check, or the oldest agreed collective is overdue.
   std::string settleLocked();

@@ -81,6 +81,7 @@ std::string ShmGroup::create(const std::string& nameTag) {
   arena_ = std::make_shared<Arena>(mapping, arenaOffset_, opt_.arenaBytes);
   Control* own = control(opt_.localIndex);
   own->segmentBytes = opt_.segmentBytes;
+  own->oneShotBytes = opt_.oneShotBytes;
   own->stagingOffset = stagingOffset_;
   own->arenaOffset = arenaOffset_;
   own->worldSize = static_cast<uint64_t>(opt_.worldSize);
@@ -117,12 +118,14 @@ void ShmGroup::attach(const std::vector<std::string>& names) {
       throw CommFailedError(who + ": it does not hold a torchring region of that rank");
     }
     if (peer->segmentBytes != opt_.segmentBytes || peer->arenaOffset != arenaOffset_ ||
-        peer->stagingOffset != stagingOffset_ || peer->worldSize != static_cast<uint64_t>(opt_.worldSize)) {
+        peer->stagingOffset != stagingOffset_ || peer->worldSize != static_cast<uint64_t>(opt_.worldSize) ||
+        peer->oneShotBytes != opt_.oneShotBytes) {
       throw CommFailedError(
           who + ": its shared-memory layout differs from this rank's (staging segment " +
           std::to_string(peer->segmentBytes >> 10) + " KiB vs " + std::to_string(opt_.segmentBytes >> 10) +
           " KiB, world " + std::to_string(peer->worldSize) + " vs " + std::to_string(opt_.worldSize) +
-          "); give every rank the same TORCHRING_SHM_SEGMENT_KB");
+          ", one-shot limit " + std::to_string(peer->oneShotBytes) + " vs " +
+          std::to_string(opt_.oneShotBytes) + " bytes); give every rank the same TORCHRING_SHM_SEGMENT_KB");
     }
   }
 }

@@ -36,6 +36,7 @@ struct ShmGroup::Control {
   alignas(64) std::atomic<uint64_t> progress;   // (seq << 1) | done, for timeout messages
   std::atomic<uint64_t> heartbeat;              // bumped by progress outside shared memory
   uint64_t segmentBytes, stagingOffset, arenaOffset, worldSize;  // layout, checked by peers
+  uint64_t oneShotBytes;                        // checked too: it sets how many waits a step has
   std::atomic<uint32_t> abortState;             // group-wide, in local index 0: 0, 1 writing, 2 set
   char abortMessage[4096];
 };
