@@ -29,10 +29,14 @@ def _mismatch_job(rank: int, variant: str) -> str:
         return "wrapped"
 
 
-@pytest.mark.parametrize("variant,world,bad_rank,param", [("out_features", 2, 1, "fc2.weight"),
-                                                          ("extra_layer", 3, 2, "extra.weight")])
+@pytest.mark.parametrize("variant,world,bad_rank,param", [
+    ("out_features", 2, 1, "is 'fc2.weight' float32[3, 6] strides [6, 1] on rank 0 but "
+                           "'fc2.weight' float32[4, 6] strides [6, 1] on rank 1"),
+    ("extra_layer", 3, 2, "is 'fc2.weight' float32[3, 6] strides [6, 1] on rank 0 but "
+                          "'extra.weight' float32[6, 6] strides [6, 1] on rank 2")])
 def test_model_mismatch(variant: str, world: int, bad_rank: int, param: str) -> None:
-    """Every rank raises TorchringError naming the first differing parameter and the ranks."""
+    """Every rank raises TorchringError naming the first differing entry (name, dtype, shape,
+    strides) on rank 0 and on the differing rank."""
     outcomes = spawn(world, _mismatch_job, variant, expect_fail=True)
     problems = []
     for o in outcomes:

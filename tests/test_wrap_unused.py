@@ -1,6 +1,7 @@
 """``torchring.wrap``: parameters without a gradient in a synchronized step: frozen right after
-wrap, unfrozen later (the wrapper re-buckets), frozen after the buckets were rebuilt, and one
-used only inside no_sync micro-steps (it counts as used). References: see _parity.py.
+wrap, unfrozen later (the wrapper re-buckets; bucket_stats() keeps the last sync's until the
+next one), frozen after the buckets were rebuilt, and one used only inside no_sync micro-steps
+(it counts as used). References: see _parity.py.
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ def _unfreeze_job(rank: int) -> list[str]:
         chk.true("fc1.weight.grad while frozen", model.fc1.weight.grad is None, "is not None")
         for m in (model, ref):
             m.fc1.weight.requires_grad_(True)
+        before = ddp.bucket_stats()
+        ddp(shard(regression(2, PER_RANK * world)[0], rank))  # re-buckets; no backward follows
+        chk.true("bucket_stats() after re-bucketing, before the next synced backward",
+                 bool(before) and ddp.bucket_stats() == before, f"{ddp.bucket_stats()}, expected {before}")
         train_mlp(chk, "fc1.weight unfrozen", ddp, ref, opts, rank, world, 2, 3)
         chk.true("fc1.weight.grad after unfreezing", model.fc1.weight.grad is not None, "is None")
         check_buckets(chk, "after unfreezing", ddp, 3)

@@ -39,6 +39,7 @@ from torch.utils import _pytree
 
 from . import _context, _gpu_path, collectives, memory
 from ._errors import TorchringError
+from ._types import DTYPES, describe
 from .reducer import Reducer
 
 __all__ = ["DistributedModel", "wrap"]
@@ -51,8 +52,13 @@ _HOOK_LOCK = threading.RLock()
 _COMPRESSION = {None: None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def _describe(name: str, t: torch.Tensor) -> str:
-    return f"'{name}' {str(t.dtype).replace('torch.', '')}{list(t.shape)}"
+def _show_entry(entry: tuple | None) -> str:
+    """One entry of _verify_and_broadcast's list, as its mismatch message names it."""
+    if entry is None:
+        return "nothing"
+    name, described, requires_grad, strides = entry
+    frozen = "" if requires_grad or name.startswith("buffer") else " frozen"
+    return f"'{name}' {described} strides {list(strides)}{frozen}"
 
 
 class DistributedModel(nn.Module):
@@ -86,6 +92,8 @@ class DistributedModel(nn.Module):
         self._hooks: list[Any] = []  # one list, filled in place: the finalizer below holds it
         weakref.finalize(self, _remove_hooks, self._hooks).atexit = False
         self._reducer: Reducer
+        # bucket_stats() of the Reducer that re-bucketing replaced, until the new one finalized.
+        self._previous_stats: list[dict[str, Any]] | None = None
         self._setup_buckets(rebuild_by_ready_order=False)
 
     # ----------------------------------------------------------------- set-up
@@ -96,7 +104,7 @@ class DistributedModel(nn.Module):
                 raise ValueError(f"{where}: '{name}' has sparse=True; sparse gradients are not "
                                  "supported, construct it with sparse=False")
         for name, t in list(module.named_parameters()) + list(module.named_buffers()):
-            if t.dtype not in collectives.DTYPES:
+            if t.dtype not in DTYPES:
                 raise TypeError(f"{where}: '{name}' has dtype {t.dtype}, which torchring cannot "
                                 "communicate; use float32/64, float16, bfloat16 or an 8-64 bit integer")
         for name, p in module.named_parameters():
@@ -106,14 +114,14 @@ class DistributedModel(nn.Module):
             if p.device.type == "cuda":
                 _gpu_path.check(p, f"{where}: parameter '{name}'")
             elif p.device.type != "cpu":
-                raise ValueError(f"{where}: parameter {_describe(name, p)} is on {p.device}; "
+                raise ValueError(f"{where}: parameter '{name}' {describe(p)} is on {p.device}; "
                                  "torchring handles CPU and CUDA models")
 
     def _verify_and_broadcast(self) -> None:
         """Every rank checks every rank's parameter list, then takes rank 0's values."""
-        mine = [(n, tuple(p.shape), str(p.dtype), p.requires_grad, tuple(p.stride()))
+        mine = [(n, describe(p), p.requires_grad, tuple(p.stride()))
                 for n, p in self.module.named_parameters()]
-        mine += [("buffer " + n, tuple(b.shape), str(b.dtype), False, tuple(b.stride()))
+        mine += [("buffer " + n, describe(b), False, tuple(b.stride()))
                  for n, b in self.module.named_buffers()]
         everyone = collectives.allgather_object(mine)
         reference = everyone[0]
@@ -124,12 +132,9 @@ class DistributedModel(nn.Module):
                 a = reference[i] if i < len(reference) else None
                 b = theirs[i] if i < len(theirs) else None
                 if a != b:
-                    show = lambda d: ("nothing" if d is None else f"'{d[0]}' {d[2].replace('torch.', '')}"
-                                      f"{list(d[1])} strides {list(d[4])}"
-                                      f"{'' if d[3] or d[0].startswith('buffer') else ' frozen'}")
                     raise TorchringError(
                         f"rank {self._rank}: torchring.wrap: the model differs between ranks: entry #{i} "
-                        f"is {show(a)} on rank 0 but {show(b)} on rank {rank} (rank 0 has "
+                        f"is {_show_entry(a)} on rank 0 but {_show_entry(b)} on rank {rank} (rank 0 has "
                         f"{len(reference)} parameters and buffers, rank {rank} has {len(theirs)}); "
                         "every rank must build the same model, registering parameters in the same order")
         with torch.no_grad():
@@ -145,6 +150,9 @@ class DistributedModel(nn.Module):
         if rebuild_by_ready_order:  # parameters frozen since wrap() leave the buckets
             self._reducer.rebuild_by_ready_order(params, names)
         else:
+            if "_reducer" in self.__dict__ and self._previous_stats is None:
+                # Re-bucketing: bucket_stats() keeps the last sync's until the new one finalized.
+                self._previous_stats = self._reducer.bucket_stats()
             self._reducer = Reducer(params, names, first_bucket_cap_bytes=self._caps[0],
                                     bucket_cap_bytes=self._caps[1], compression=self._compression,
                                     rank=self._rank)
@@ -242,6 +250,8 @@ class DistributedModel(nn.Module):
 
     def bucket_stats(self) -> list[dict[str, Any]]:
         """Per bucket of the last synchronized backward: bytes, params, launch lead and wait."""
+        if self._previous_stats is not None:  # re-bucketed since; no sync finished yet
+            return [dict(s) for s in self._previous_stats]
         return self._reducer.bucket_stats()
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
@@ -277,6 +287,7 @@ class DistributedModel(nn.Module):
         try:
             with _HOOK_LOCK:
                 self._reducer.finalize()
+            self._previous_stats = None
         finally:
             # Also after a failure, so that a rebuilt communicator starts from a clean state.
             self._callback_queued = False
