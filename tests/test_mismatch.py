@@ -3,11 +3,14 @@
 Ranks that issue different collectives as one operation (another count, shape, dtype, op, root
 or kind) are found by the header exchange before any data moves. Each case below is followed
 by an exact collective in the same session, on shared memory, TCP and both (faked hosts), at
-worlds 2-4, with the odd rank first or last; async handles too.
+worlds 2-4, with the odd rank first, last or in the middle; async handles too. Every rank's
+error must name exactly rank 0's call and the first differing rank's call.
+(tests/engine/test_engine_mismatch.py runs the same cases in process, with heavier follow-ups.)
 """
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -16,6 +19,7 @@ import torch
 
 from _checks import Checker, expected_allreduce, rank_input
 from _dist import hybrid_env, session, spawn
+from torchring._types import dtype_name
 
 # One collective call: (kind, dtype, shape, op, src).
 Call = tuple[str, torch.dtype, tuple[int, ...], str, int]
@@ -42,6 +46,50 @@ MISMATCHES: dict[str, tuple[list[Call], list[Call], list[str]]] = {
                              ["int32[12, 2]", "int32[24, 1]"]),
     "barrier": ([("barrier", torch.float32, (), "SUM", 0)], [_AR], ["barrier", "allreduce"]),
 }
+# The async case: a 7-element allreduce on the odd rank, 8 elements on the others.
+ASYNC_CASE: tuple[list[Call], list[Call]] = ([("allreduce", torch.float32, (8,), "SUM", 0)],
+                                             [("allreduce", torch.float32, (7,), "SUM", 0)])
+
+
+def call_text(call: Call, world: int) -> str:
+    """How a mismatch error names one call: kind, dtype[shape], then the op or the root."""
+    kind, dtype, shape, op, src = call
+    if kind == "barrier":
+        return "barrier barrier"  # kind, then the description, which for a barrier is its kind
+    text = f"{kind} {dtype_name(dtype)}{list(shape)}"
+    if kind in ("allreduce", "reduce_scatter"):
+        text += f" {op}"
+    elif kind == "broadcast":
+        text += f" root={min(src, world - 1)}"
+    return text
+
+
+def expected_pair(agree: list[Call], differ: list[Call], odd: int, world: int,
+                  i: int) -> tuple[int, str, str]:
+    """(first differing rank, rank 0's call, that rank's call) for the i-th call of a case."""
+    first = odd if odd != 0 else 1  # the lowest rank whose header differs from rank 0's
+    mine = differ if odd == 0 else agree
+    theirs = differ if odd != 0 else agree
+    return first, call_text(mine[i], world), call_text(theirs[i], world)
+
+
+_SENT = re.compile(r"rank (\d+) sent ")
+
+
+def message_problem(err: str | None, rank: int, pair: tuple[int, str, str]) -> str | None:
+    """What is wrong with rank `rank`'s mismatch message, or None if it names exactly `pair`."""
+    if err is None:
+        return "no CollectiveMismatchError"
+    first, mine, theirs = pair
+    if not err.startswith(f"rank {rank}: "):
+        return f"the message does not start with 'rank {rank}: ': {err!r}"
+    want = f"rank 0 sent {mine}, rank {first} sent {theirs}; "
+    if want not in err:
+        return f"expected it to contain {want!r}: {err!r}"
+    named = _SENT.findall(err)
+    if named != ["0", str(first)]:
+        return f"it names ranks {named} as senders, expected ['0', '{first}']: {err!r}"
+    return None
 
 
 def _issue(call: Call, rank: int, world: int) -> Any:
@@ -78,30 +126,31 @@ def _mismatch_job(rank: int, odd: int) -> dict[str, Any]:
     chk = Checker(rank)
     with session():
         world = torchring.size()
-        errors: dict[str, str | None] = {}
+        errors: dict[str, list[str | None]] = {}
         elapsed: dict[str, float] = {}
         _exact_allreduce(chk, rank, world, "before any mismatch")
         for case, (agree, differ, _) in MISMATCHES.items():
-            start, errors[case] = time.monotonic(), None
-            try:
-                for call in differ if rank == odd else agree:
+            start, errors[case] = time.monotonic(), []
+            for call in differ if rank == odd else agree:  # every call of the case mismatches
+                try:
                     _issue(call, rank, world)
-            except torchring.CollectiveMismatchError as e:
-                errors[case] = str(e)
+                    errors[case].append(None)
+                except torchring.CollectiveMismatchError as e:
+                    errors[case].append(str(e))
             elapsed[case] = time.monotonic() - start
             _exact_allreduce(chk, rank, world, f"allreduce after the {case} mismatch")
 
         # Async: a mismatched handle raises from wait(); the handles queued after it are exact.
-        bad = torch.zeros(7 if rank == odd else 8)
+        bad = torch.zeros((ASYNC_CASE[1] if rank == odd else ASYNC_CASE[0])[0][2])
         first = torchring.allreduce_async(bad)
         good = rank_input(rank, world, 500, torch.int64)
         second = torchring.allreduce_async(good)
         third = torchring.allgather_async(torch.full((rank + 1, 2), rank, dtype=torch.int32))
         try:
             first.wait()
-            errors["async"] = None
+            errors["async"] = [None]
         except torchring.CollectiveMismatchError as e:
-            errors["async"] = str(e)
+            errors["async"] = [str(e)]
         chk.equal("async allreduce after a mismatched one", second.wait(),
                   expected_allreduce(world, 500, torch.int64, "SUM"))
         want = torch.cat([torch.full((r + 1, 2), r, dtype=torch.int32) for r in range(world)])
@@ -112,28 +161,38 @@ def _mismatch_job(rank: int, odd: int) -> dict[str, Any]:
 CONFIGS = {  # name -> (world, env for every rank, per-rank env)
     "shm-2": (2, {"TORCHRING_TRANSPORT": "shm"}, None),
     "shm-3": (3, {"TORCHRING_TRANSPORT": "shm"}, None),
+    "shm-4": (4, {"TORCHRING_TRANSPORT": "shm"}, None),
     "tcp-2": (2, {"TORCHRING_TRANSPORT": "tcp"}, None),
     "tcp-3": (3, {"TORCHRING_TRANSPORT": "tcp"}, None),
+    "tcp-4": (4, {"TORCHRING_TRANSPORT": "tcp"}, None),
     "hybrid-abb": (3, {}, hybrid_env("abb")),
     "hybrid-aabb": (4, {}, hybrid_env("aabb")),
 }
 
 
-@pytest.mark.parametrize("config,odd", [("shm-2", 1), ("shm-3", 0), ("tcp-2", 0), ("tcp-3", 2),
-                                        ("hybrid-abb", 0), ("hybrid-aabb", 3)])
+@pytest.mark.parametrize("config,odd", [("shm-2", 1), ("shm-3", 0), ("shm-4", 2), ("tcp-2", 0),
+                                        ("tcp-3", 2), ("tcp-4", 1), ("hybrid-abb", 0),
+                                        ("hybrid-aabb", 3)])
 def test_mismatch_raises_everywhere_and_job_goes_on(config: str, odd: int) -> None:
     world, env, rank_env = CONFIGS[config]
     results = spawn(world, _mismatch_job, odd, env={**env, "TORCHRING_TIMEOUT": "20"},
                     rank_env=rank_env)
-    others = [p for p in range(world) if p != odd]
+    cases = {**MISMATCHES, "async": (*ASYNC_CASE, ["float32[8]", "float32[7]"])}
     for rank, r in enumerate(results):
         assert not r["failures"], "\n".join(r["failures"])
-        for case, err in r["errors"].items():
-            assert err is not None, f"rank {rank}: no CollectiveMismatchError for the {case} mismatch"
-            assert f"rank {odd}" in err and any(f"rank {p}" in err for p in others), \
-                f"rank {rank}: the two ranks are not named for {case}: {err}"
-            assert err.startswith(f"rank {rank}:"), f"rank {rank}: the error does not name its rank: {err}"
-            for word in MISMATCHES.get(case, ([], [], ["float32[8]", "float32[7]"]))[2]:
-                assert word in err, f"rank {rank}: {word!r} missing from the {case} error: {err!r}"
+        assert set(r["errors"]) == set(cases), f"rank {rank}: cases run: {sorted(r['errors'])}"
+        for case, (agree, differ, words) in cases.items():
+            errs = r["errors"][case]
+            assert len(errs) == len(agree), f"rank {rank}: {case}: {len(errs)} calls recorded"
+            for i, err in enumerate(errs):
+                problem = message_problem(err, rank, expected_pair(agree, differ, odd, world, i))
+                assert problem is None, f"rank {rank}, {case} mismatch, call {i}: {problem}"
+                for word in words:
+                    assert word in err, f"rank {rank}: {word!r} missing from the {case} error: {err!r}"
         slow = {c: round(t, 1) for c, t in r["elapsed"].items() if t > 5}
         assert not slow, f"rank {rank}: mismatches took seconds to detect: {slow}"
+    # Every rank holds the same table of headers, so every rank words the verdict the same way.
+    for case in cases:
+        for i in range(len(cases[case][0])):
+            bodies = {r["errors"][case][i].split(": ", 1)[1] for r in results}
+            assert len(bodies) == 1, f"{case} call {i}: the ranks disagree: {sorted(bodies)}"
