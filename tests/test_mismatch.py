@@ -55,7 +55,7 @@ def call_text(call: Call, world: int) -> str:
     """How a mismatch error names one call: kind, dtype[shape], then the op or the root."""
     kind, dtype, shape, op, src = call
     if kind == "barrier":
-        return "barrier barrier"  # kind, then the description, which for a barrier is its kind
+        return "barrier"
     text = f"{kind} {dtype_name(dtype)}{list(shape)}"
     if kind in ("allreduce", "reduce_scatter"):
         text += f" {op}"

@@ -368,6 +368,12 @@ std::vector<OpHeader> Communicator::exchangeHeaders(const OpHeader& header) {
   return all;
 }
 
+// "allreduce float32[10, 100] SUM", "barrier": what a rank sent, in a mismatch message.
+static std::string sentText(const OpHeader& header) {
+  const auto kind = static_cast<OpKind>(header.kind);
+  return kind == OpKind::BARRIER ? kindName(kind) : std::string(kindName(kind)) + " " + header.describe();
+}
+
 // Compares every rank's header with rank 0's. Every rank holds the same table, so every
 // rank throws the same MismatchError, naming the first rank that differs and what each sent.
 void Communicator::checkHeaders(const std::vector<OpHeader>& headers) const {
@@ -377,8 +383,7 @@ void Communicator::checkHeaders(const std::vector<OpHeader>& headers) const {
     if (other.matches(first)) continue;
     std::ostringstream msg;
     msg << rankText() << ": collective #" << first.seq << " does not match across ranks: rank 0 sent "
-        << kindName(static_cast<OpKind>(first.kind)) << " " << first.describe() << ", rank " << r
-        << " sent " << kindName(static_cast<OpKind>(other.kind)) << " " << other.describe()
+        << sentText(first) << ", rank " << r << " sent " << sentText(other)
         << "; every rank must issue the same collectives in the same order with the same dtype, "
            "shape, op and root (allgather: dim 0 may differ). Nothing was sent: this operation "
            "failed on every rank and the next collective runs normally";
