@@ -18,9 +18,6 @@ def test_build_report() -> None:
     assert proc.returncode == 0, f"exit code {proc.returncode}:\n{out}"
     engine = _build.load()  # the build the report just made or found, loaded here too
     info = engine.build_info()
-    has_nccl = hasattr(engine, "NcclComm")
-    assert bool(info["nccl"]) == has_nccl, \
-        f"build_info() says nccl={info['nccl']}, but the engine {'has' if has_nccl else 'lacks'} NcclComm"
     for key in ("nccl", "cuda"):
         said = re.findall(rf"^\s*{key}\s*:\s*(yes|no)\b", out, re.MULTILINE)
         assert said == ["yes" if info[key] else "no"], \

@@ -3,7 +3,7 @@ through one in-memory HashStore (gloo's tests do the same with threads).
 
 ``run_world(world, fn)`` calls ``fn(rank, comm)`` on every rank's thread with a started
 communicator and returns the results in rank order; the first rank's exception is re-raised
-(its communicator is shut down, which fails the others' waits at once). ``hosts`` fakes host
+(its communicator is shut down; a peer waiting on it in a collective fails within the timeout). ``hosts`` fakes host
 identities (``"aab"``: ranks 0 and 1 share memory, rank 2 is another host), ``transport="tcp"``
 makes every rank its own host. ``segment_kb`` and ``one_shot_bytes`` shrink the shared-memory
 segment and the one-shot limit so small tensors reach the multi-segment and chunked paths.
