@@ -158,3 +158,31 @@ def test_nccl_watchdog_aborts_a_stuck_collective() -> None:
     assert r["error"] is not None, "no TorchringError while the collective could not complete"
     assert "did not complete within 5" in r["error"] and "allreduce" in r["error"], r["error"]
     assert r["elapsed"] < 15, f"the watchdog took {r['elapsed']:.1f} s"
+
+
+def _timed_wait(rank: int) -> dict:
+    """Handle.wait(timeout) on the NCCL path: expires with WaitTimeoutError while a GPU kernel
+    holds the collective back, aborts nothing, and the collective then completes."""
+    import torchring
+    torchring.init()
+    try:
+        assert torchring.cuda.path() == "nccl", (torchring.cuda.path(), torchring.cuda.reason())
+        dev = torchring.cuda.device()
+        torch.cuda._sleep(int(4e9))  # about 2 s at 2 GHz, ahead of the collective on the stream
+        handle = torchring.allreduce_async(torch.ones(16, device=dev))
+        try:
+            handle.wait(timeout=0.2)
+            expired = None
+        except torchring.WaitTimeoutError as e:
+            expired = str(e)
+        result = handle.synchronize().cpu().tolist()
+        again = torchring.allreduce(torch.full((4,), 2.0, device=dev)).cpu().tolist()
+        return {"expired": expired, "result": result, "again": again}
+    finally:
+        torchring.shutdown()
+
+
+def test_nccl_timed_wait_expires_without_aborting() -> None:
+    (r,) = spawn(1, _timed_wait, env={"TORCHRING_TIMEOUT": "60"}, timeout=180)
+    assert r["expired"] is not None and "Handle.wait(timeout=0.2) expired" in r["expired"], r
+    assert r["result"] == [1.0] * 16 and r["again"] == [2.0] * 4, r
