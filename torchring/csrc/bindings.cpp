@@ -165,6 +165,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("is_completed", &Work::isCompleted, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("seq", &Work::seq);
+  py::class_<torchring::CpuWork, Work, std::shared_ptr<torchring::CpuWork>>(m, "CpuWork");
 
   py::class_<CommOptions>(m, "CommOptions", "What a Communicator is made from (communicator.h).")
       .def(py::init<>())
@@ -195,7 +196,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("device"), py::arg("unique_id"), py::arg("timeout"),
            py::call_guard<py::gil_scoped_release>())
       .def("allreduce",
-           [](NcclComm& c, at::Tensor t, int op, std::shared_ptr<Work> check) {
+           [](NcclComm& c, at::Tensor t, int op, std::shared_ptr<torchring::CpuWork> check) {
              return c.allreduce(t, static_cast<ReduceOp>(op), std::move(check));
            },
            py::arg("tensor"), py::arg("op"), py::arg("check"), py::call_guard<py::gil_scoped_release>())
@@ -204,7 +205,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("allgather", &NcclComm::allgather, py::arg("tensor"), py::arg("rows"), py::arg("check"),
            py::call_guard<py::gil_scoped_release>())
       .def("reduce_scatter",
-           [](NcclComm& c, at::Tensor t, int op, std::shared_ptr<Work> check) {
+           [](NcclComm& c, at::Tensor t, int op, std::shared_ptr<torchring::CpuWork> check) {
              return c.reduceScatter(t, static_cast<ReduceOp>(op), std::move(check));
            },
            py::arg("tensor"), py::arg("op"), py::arg("check"), py::call_guard<py::gil_scoped_release>())

@@ -193,7 +193,7 @@ OpHeader Communicator::makeHeader(OpKind kind, const at::Tensor& tensor, ReduceO
   return header;
 }
 
-std::shared_ptr<Work> Communicator::submit(OpKind kind, at::Tensor tensor, ReduceOp op, int root,
+std::shared_ptr<CpuWork> Communicator::submit(OpKind kind, at::Tensor tensor, ReduceOp op, int root,
                                            bool runInline) {
   // The Python API checked these for its callers; the engine is bound directly too (tests).
   TORCH_CHECK_VALUE(kind == OpKind::BARRIER || tensor.defined(), rankText(), ": ", kindName(kind),
@@ -209,7 +209,7 @@ std::shared_ptr<Work> Communicator::submit(OpKind kind, at::Tensor tensor, Reduc
   return enqueue(std::move(item), runInline);
 }
 
-std::shared_ptr<Work> Communicator::submitCheck(OpKind kind, const at::Tensor& like, ReduceOp op,
+std::shared_ptr<CpuWork> Communicator::submitCheck(OpKind kind, const at::Tensor& like, ReduceOp op,
                                                 int root) {
   Op item;
   item.header = makeHeader(kind, like, op, root);
@@ -217,7 +217,7 @@ std::shared_ptr<Work> Communicator::submitCheck(OpKind kind, const at::Tensor& l
   return enqueue(std::move(item), false);
 }
 
-std::shared_ptr<Work> Communicator::enqueue(Op item, bool runInline) {
+std::shared_ptr<CpuWork> Communicator::enqueue(Op item, bool runInline) {
   const auto kind = static_cast<OpKind>(item.header.kind);
   if (forkGeneration() != forkGeneration_) {
     throw TorchringError("rank " + std::to_string(opt_.rank) + ": " + kindName(kind) +
@@ -228,7 +228,7 @@ std::shared_ptr<Work> Communicator::enqueue(Op item, bool runInline) {
   }
   std::unique_lock<std::mutex> lock(mutex_);
   item.header.seq = nextSeq_++;
-  item.work = std::make_shared<Work>(kind, item.header.seq, opt_.rank);
+  item.work = std::make_shared<CpuWork>(kind, item.header.seq, opt_.rank);
   auto work = item.work;
   if (stopping_) {
     lock.unlock();

@@ -77,13 +77,13 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // Queues a collective on `tensor` and returns its handle. Operations run in submission
   // order, which must be the same on every rank. With runInline, an idle communicator runs
   // it on the calling thread (no hand-off latency) and the handle is complete on return.
-  std::shared_ptr<Work> submit(OpKind kind, at::Tensor tensor, ReduceOp op, int root,
+  std::shared_ptr<CpuWork> submit(OpKind kind, at::Tensor tensor, ReduceOp op, int root,
                                bool runInline);
   // For a collective that NCCL runs on the CUDA tensor `like`: queues an operation that only
   // exchanges and compares its header (kind, dtype, count, op, root, shape) with the other
   // ranks, in order with every other operation. Its handle fails, on every rank, when ranks
   // disagree or a peer died; the NCCL watchdog then aborts NCCL with that message.
-  std::shared_ptr<Work> submitCheck(OpKind kind, const at::Tensor& like, ReduceOp op, int root);
+  std::shared_ptr<CpuWork> submitCheck(OpKind kind, const at::Tensor& like, ReduceOp op, int root);
   // A tensor in this rank's shared-memory arena, or an undefined tensor if none is left.
   at::Tensor emptyShared(at::IntArrayRef sizes, at::ScalarType dtype);
 
@@ -98,10 +98,10 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   struct Op {
     OpHeader header;
     at::Tensor tensor;
-    std::shared_ptr<Work> work;
+    std::shared_ptr<CpuWork> work;
   };
   OpHeader makeHeader(OpKind kind, const at::Tensor& tensor, ReduceOp op, int root) const;
-  std::shared_ptr<Work> enqueue(Op item, bool runInline);
+  std::shared_ptr<CpuWork> enqueue(Op item, bool runInline);
   void workerLoop();
   // Runs `op` with busy_ set (the one operation in flight); `lock` holds mutex_ on entry and
   // on return, and is released while the operation runs.

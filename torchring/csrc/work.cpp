@@ -4,18 +4,18 @@
 
 namespace torchring {
 
-bool Work::isCompleted() {
+bool CpuWork::isCompleted() {
   std::lock_guard<std::mutex> lock(mutex_);
   return done_;
 }
 
-at::Tensor Work::wait(double timeoutSec) {
+at::Tensor CpuWork::wait(double timeoutSec) {
   std::unique_lock<std::mutex> lock(mutex_);
   if (timeoutSec > 0) {
     auto limit = std::chrono::duration<double>(timeoutSec);
     if (!cv_.wait_for(lock, limit, [&] { return done_; })) {
       std::ostringstream msg;
-      msg << "rank " << rank_ << ": " << kindName(kind_) << " #" << seq_ << ": Handle.wait(timeout="
+      msg << "rank " << rank() << ": " << kindName(kind()) << " #" << seq() << ": Handle.wait(timeout="
           << timeoutSec << ") expired; the operation is still running and the communicator is "
           << "fine (wait again, or raise the timeout)";
       throw WaitTimeoutError(msg.str());
@@ -27,12 +27,12 @@ at::Tensor Work::wait(double timeoutSec) {
   return result_;
 }
 
-std::string Work::error() {
+std::string CpuWork::error() {
   std::lock_guard<std::mutex> lock(mutex_);
   return message_;
 }
 
-void Work::finish(at::Tensor result, std::exception_ptr error) {
+void CpuWork::finish(at::Tensor result, std::exception_ptr error) {
   std::string message;
   if (error) {
     try {

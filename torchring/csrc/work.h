@@ -1,6 +1,7 @@
-// Work: the completion handle of one operation, what torchring.Handle waits on. The CPU
-// engine finishes it from whichever thread ran the operation; the NCCL path derives from it
-// (cuda/nccl.h) so Python holds one kind of handle.
+// Work: the completion handle of one operation, what torchring.Handle waits on. Abstract, as
+// c10d's Work is: CpuWork is what the CPU engine completes from whichever thread ran the
+// operation (and what the NCCL path's header checks are); NcclWork (cuda/nccl.h) completes
+// with an event on the GPU. Python holds either through this one interface.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -20,25 +21,37 @@ class Work {
   virtual ~Work() = default;
 
   // True once the operation finished, successfully or not.
-  virtual bool isCompleted();
+  virtual bool isCompleted() = 0;
   // Blocks until done (timeoutSec <= 0: no limit) and returns the result or rethrows the
   // operation's failure (its own exception type: CommFailedError, MismatchError, ...). An
   // expired timeout throws WaitTimeoutError and leaves the operation running.
-  virtual at::Tensor wait(double timeoutSec);
+  virtual at::Tensor wait(double timeoutSec) = 0;
   // Like wait(); for device work it also blocks the host until the device finished it.
   virtual at::Tensor synchronize(double timeoutSec) { return wait(timeoutSec); }
 
-  // Completes the operation: `error` null means it succeeded with `result`.
-  void finish(at::Tensor result, std::exception_ptr error);
-  // The failure message of a completed operation; "" while it runs or when it succeeded.
-  std::string error();
   uint64_t seq() const { return seq_; }
   OpKind kind() const { return kind_; }
+  int rank() const { return rank_; }
 
  private:
   OpKind kind_;
   uint64_t seq_;
   int rank_;
+};
+
+// An operation of the CPU engine: finished once, by the thread that ran it.
+class CpuWork : public Work {
+ public:
+  using Work::Work;
+  bool isCompleted() override;
+  at::Tensor wait(double timeoutSec) override;
+
+  // Completes the operation: `error` null means it succeeded with `result`.
+  void finish(at::Tensor result, std::exception_ptr error);
+  // The failure message of a completed operation; "" while it runs or when it succeeded.
+  std::string error();
+
+ private:
   std::mutex mutex_;
   std::condition_variable cv_;
   bool done_ = false;

@@ -42,7 +42,7 @@ ncclRedOp_t ncclOp(ReduceOp op) {
 
 // "allreduce #17 float32[10, 100] SUM on cuda:0": the label and spelling of the engine's
 // header (the sequence number is the header check's), so both paths name an operation alike.
-std::string describe(const std::shared_ptr<Work>& check, const at::Tensor& t, ReduceOp op, int root) {
+std::string describe(const std::shared_ptr<CpuWork>& check, const at::Tensor& t, ReduceOp op, int root) {
   TORCH_INTERNAL_ASSERT(check, "an NCCL collective was launched without its header check");
   OpHeader header;
   header.kind = static_cast<uint8_t>(check->kind());
@@ -343,7 +343,7 @@ void NcclComm::drain(double timeoutSec) {
 template <typename F>
 std::shared_ptr<NcclWork> NcclComm::launch(const std::string& call, const std::string& what,
                                            const std::vector<at::Tensor>& tensors, at::Tensor result,
-                                           std::shared_ptr<Work> headerCheck, F enqueue) {
+                                           std::shared_ptr<CpuWork> headerCheck, F enqueue) {
   c10::cuda::CUDAGuard guard(device_);
   auto current = c10::cuda::getCurrentCUDAStream(device_);
   std::lock_guard<std::mutex> lock(mutex_);
@@ -365,14 +365,14 @@ std::shared_ptr<NcclWork> NcclComm::launch(const std::string& call, const std::s
   return std::make_shared<NcclWork>(shared_from_this(), done, std::move(headerCheck), std::move(result), what);
 }
 
-std::shared_ptr<NcclWork> NcclComm::allreduce(at::Tensor t, ReduceOp op, std::shared_ptr<Work> headerCheck) {
+std::shared_ptr<NcclWork> NcclComm::allreduce(at::Tensor t, ReduceOp op, std::shared_ptr<CpuWork> headerCheck) {
   std::string what = describe(headerCheck, t, op, -1);
   return launch("ncclAllReduce", what, {t}, t, std::move(headerCheck), [&](cudaStream_t s) {
     return ncclAllReduce(t.data_ptr(), t.data_ptr(), t.numel(), ncclType(t.scalar_type()), ncclOp(op), comm_, s);
   });
 }
 
-std::shared_ptr<NcclWork> NcclComm::broadcast(at::Tensor t, int root, std::shared_ptr<Work> headerCheck) {
+std::shared_ptr<NcclWork> NcclComm::broadcast(at::Tensor t, int root, std::shared_ptr<CpuWork> headerCheck) {
   std::string what = describe(headerCheck, t, ReduceOp::SUM, root);
   return launch("ncclBroadcast", what, {t}, t, std::move(headerCheck), [&](cudaStream_t s) {
     return ncclBroadcast(t.data_ptr(), t.data_ptr(), t.numel(), ncclType(t.scalar_type()), root, comm_, s);
@@ -382,7 +382,7 @@ std::shared_ptr<NcclWork> NcclComm::broadcast(at::Tensor t, int root, std::share
 // Allgather with a different dim-0 size per rank: one broadcast per rank, grouped so NCCL
 // runs them as a single operation, each writing its piece straight to its place in `out`.
 std::shared_ptr<NcclWork> NcclComm::allgather(at::Tensor t, const std::vector<int64_t>& rows,
-                                              std::shared_ptr<Work> headerCheck) {
+                                              std::shared_ptr<CpuWork> headerCheck) {
   std::vector<int64_t> sizes = t.sizes().vec();
   int64_t total = 0;
   for (auto r : rows) total += r;
@@ -407,7 +407,7 @@ std::shared_ptr<NcclWork> NcclComm::allgather(at::Tensor t, const std::vector<in
   });
 }
 
-std::shared_ptr<NcclWork> NcclComm::reduceScatter(at::Tensor t, ReduceOp op, std::shared_ptr<Work> headerCheck) {
+std::shared_ptr<NcclWork> NcclComm::reduceScatter(at::Tensor t, ReduceOp op, std::shared_ptr<CpuWork> headerCheck) {
   std::vector<int64_t> sizes = t.sizes().vec();
   sizes[0] /= size_;
   at::Tensor out = at::empty(sizes, t.options());
@@ -419,7 +419,7 @@ std::shared_ptr<NcclWork> NcclComm::reduceScatter(at::Tensor t, ReduceOp op, std
 }
 
 NcclWork::NcclWork(std::shared_ptr<NcclComm> comm, std::shared_ptr<Event> done,
-                   std::shared_ptr<Work> check, at::Tensor result, std::string what)
+                   std::shared_ptr<CpuWork> check, at::Tensor result, std::string what)
     : Work(check->kind(), check->seq(), comm->rank()), comm_(std::move(comm)),
       done_(std::move(done)), check_(std::move(check)), result_(std::move(result)),
       what_(std::move(what)) {}

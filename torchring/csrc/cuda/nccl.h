@@ -44,7 +44,7 @@ class Event {
 class NcclWork : public Work {
  public:
   NcclWork(std::shared_ptr<NcclComm> comm, std::shared_ptr<Event> done,
-           std::shared_ptr<Work> check, at::Tensor result, std::string what);
+           std::shared_ptr<CpuWork> check, at::Tensor result, std::string what);
   bool isCompleted() override;
   // Makes the caller's current stream wait for the collective; the host does not block
   // (with timeoutSec > 0 it first polls until the collective completed, and throws
@@ -61,7 +61,7 @@ class NcclWork : public Work {
 
   std::shared_ptr<NcclComm> comm_;
   std::shared_ptr<Event> done_;
-  std::shared_ptr<Work> check_;
+  std::shared_ptr<CpuWork> check_;
   at::Tensor result_;
   std::string what_;
 };
@@ -78,13 +78,13 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
 
   // Each collective takes `check`, the engine's header check of it (submitCheck), which the
   // watchdog watches alongside the collective.
-  std::shared_ptr<NcclWork> allreduce(at::Tensor tensor, ReduceOp op, std::shared_ptr<Work> check);
-  std::shared_ptr<NcclWork> broadcast(at::Tensor tensor, int root, std::shared_ptr<Work> check);
+  std::shared_ptr<NcclWork> allreduce(at::Tensor tensor, ReduceOp op, std::shared_ptr<CpuWork> check);
+  std::shared_ptr<NcclWork> broadcast(at::Tensor tensor, int root, std::shared_ptr<CpuWork> check);
   // rows[r] = dim-0 size of rank r's tensor (the caller agreed them on the CPU engine).
   std::shared_ptr<NcclWork> allgather(at::Tensor tensor, const std::vector<int64_t>& rows,
-                                      std::shared_ptr<Work> check);
+                                      std::shared_ptr<CpuWork> check);
   // Input rows split evenly over the ranks; returns this rank's reduced block.
-  std::shared_ptr<NcclWork> reduceScatter(at::Tensor tensor, ReduceOp op, std::shared_ptr<Work> check);
+  std::shared_ptr<NcclWork> reduceScatter(at::Tensor tensor, ReduceOp op, std::shared_ptr<CpuWork> check);
 
   // Raises CommFailedError if the communicator failed or NCCL reported an asynchronous error
   // (then the communicator is aborted).
@@ -106,7 +106,7 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   // A launched collective the watchdog has not seen complete yet.
   struct Pending {
     std::shared_ptr<Event> done;
-    std::shared_ptr<Work> check;
+    std::shared_ptr<CpuWork> check;
     std::string what;
     Clock::time_point agreed;  // when its header check was first seen passed (or launch)
     bool hasAgreed = false;
@@ -127,7 +127,7 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   template <typename F>
   std::shared_ptr<NcclWork> launch(const std::string& call, const std::string& what,
                                    const std::vector<at::Tensor>& tensors, at::Tensor result,
-                                   std::shared_ptr<Work> check, F enqueue);
+                                   std::shared_ptr<CpuWork> check, F enqueue);
   void watch();
 
   int rank_, size_, device_;
