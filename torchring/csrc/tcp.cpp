@@ -237,7 +237,7 @@ void TcpRing::connect(const std::string& rightAddr, int rightPort) {
   setNonBlocking(recvFd_);
 }
 
-void TcpRing::fail(const std::string& why, bool left) const {
+void TcpRing::fail(const std::string& why, bool left, const std::string& advice) const {
   std::ostringstream msg;
   msg << "rank " << opt_.rank << " (this process): " << what_ << ": " << why << " ";
   if (left) {
@@ -245,6 +245,7 @@ void TcpRing::fail(const std::string& why, bool left) const {
   } else {
     msg << rightDesc_;
   }
+  if (!advice.empty()) msg << "; " << advice;
   std::string text = msg.str();
   if (explain_) text += explain_(left ? opt_.leftRank : opt_.rightRank, text);
   throw CommFailedError(text);
@@ -305,9 +306,9 @@ void TcpRing::exchange(const std::vector<Span>& send, const std::vector<Span>& r
       std::ostringstream why;
       why << "timed out after " << opt_.timeoutSec << " s with no progress "
           << (receiving ? "receiving from" : "sending to");
-      fail(why.str() + " (stuck, stopped, or it issued different collectives; raise "
-                       "TORCHRING_TIMEOUT if the work between collectives is that slow)",
-           receiving);
+      fail(why.str(), receiving,
+           "it is stuck, stopped, or issued different collectives; raise TORCHRING_TIMEOUT if "
+           "the work between collectives is that slow");
     }
   }
 }

@@ -63,7 +63,9 @@ class TcpRing {
   // runs after every read so the caller can consume completed segments.
   void exchange(const std::vector<Span>& send, const std::vector<Span>& recv,
                 const std::function<void(size_t)>& onRecv = nullptr);
-  [[noreturn]] void fail(const std::string& why, bool left) const;
+  // Throws CommFailedError: "rank R (this process): <op>: <why> <the neighbour>; <advice>",
+  // then what the failure board says about the neighbour.
+  [[noreturn]] void fail(const std::string& why, bool left, const std::string& advice = "") const;
   bool acceptOne(double deadlineSec);
 
   TcpOptions opt_;
