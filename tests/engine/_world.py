@@ -52,13 +52,16 @@ def run_world(world: int, fn: Callable[[int, Any], Any], hosts: str = "", transp
         finally:
             comm.shutdown()
 
-    threads = [threading.Thread(target=rank_main, args=(r,), name=f"rank{r}") for r in range(world)]
+    # Daemons: a rank that hangs (the failure the test looks for) must not keep pytest alive.
+    threads = [threading.Thread(target=rank_main, args=(r,), name=f"rank{r}", daemon=True)
+               for r in range(world)]
     for t in threads:
         t.start()
+    limit = timeout * 3 + 10  # a failure may take the timeout plus a few seconds of explaining
     for t in threads:
-        t.join(timeout * 3)
+        t.join(limit)
     hung = [t.name for t in threads if t.is_alive()]
-    assert not hung, f"{hung} still running after {timeout * 3:g} s"
+    assert not hung, f"{hung} still running after {limit:g} s"
     first = next((e for e in errors if e is not None), None)
     if first is not None:
         raise first

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import torchring
 from _checks import expected_allreduce, rank_input
@@ -120,3 +121,49 @@ def test_the_engine_checks_what_its_direct_callers_pass() -> None:
         assert "allreduce needs a tensor" in errors[3] and "unknown op kind 9" in errors[4], errors
         assert "unknown reduce op 7" in errors[5] and errors[6] == str([2.0] * 5), errors
         assert all(e.startswith(f"rank {rank}:") for e in errors[:4]), errors
+
+
+class _UnreachableStore(dist.Store):
+    """A rendezvous store whose host is gone: every request blocks (without the GIL)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.requests = 0
+
+    def _block(self) -> None:
+        self.requests += 1
+        threading.Event().wait()
+
+    def set(self, key: str, value: Any) -> None:
+        self._block()
+
+    def get(self, key: str) -> bytes:
+        self._block()
+        return b""
+
+    def check(self, keys: list[str]) -> bool:
+        self._block()
+        return False
+
+
+def test_an_unreachable_store_does_not_hold_up_a_failure() -> None:
+    """The failure path asks the store why the peer failed; a store that never answers must
+    not turn a timeout into a hang (the store's host lost its link)."""
+    store = _UnreachableStore()
+    release = threading.Event()
+
+    def job(rank: int, comm: Any) -> Any:
+        if rank == 1:
+            release.wait(30)  # silent
+            return None
+        comm.set_failure_board(store)
+        start = time.monotonic()
+        with pytest.raises(torchring.CommunicatorFailedError) as failed:
+            allreduce(comm, torch.ones(8))
+        release.set()
+        return str(failed.value), time.monotonic() - start
+
+    (error, elapsed), _ = run_world(2, job, "ab", "tcp", timeout=1.0)
+    assert store.requests >= 1, "the failure path never asked the store"
+    assert "the rendezvous store did not answer" in error and "rank 1" in error, error
+    assert elapsed < 1.0 + 2.0 + 1.0 + 1.5 + 1.0, f"raised after {elapsed:.1f} s"

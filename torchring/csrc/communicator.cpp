@@ -111,22 +111,62 @@ void Communicator::setFailureBoard(FailureBoard board) {
   }
 }
 
+namespace {
+
+// Runs `fn` on a detached thread and returns its result, or `fallback` when it has not
+// finished within `seconds`. For the rendezvous store on failure paths: a store whose host
+// is unreachable can block a request for good, and a failing rank must still raise within
+// the timeout. `fn` must own everything it uses (the thread may outlive the caller).
+std::string withDeadline(std::function<std::string()> fn, double seconds, std::string fallback) {
+  struct Shared {
+    std::mutex mutex;
+    std::condition_variable cv;
+    bool done = false;
+    std::string result;
+  };
+  auto shared = std::make_shared<Shared>();
+  std::thread([shared, fn = std::move(fn)] {
+    std::string result;
+    try {
+      result = fn();
+    } catch (const std::exception&) {  // the store is gone too: no explanation
+    }
+    std::lock_guard<std::mutex> lock(shared->mutex);
+    shared->result = std::move(result);
+    shared->done = true;
+    shared->cv.notify_all();
+  }).detach();
+  std::unique_lock<std::mutex> lock(shared->mutex);
+  if (!shared->cv.wait_for(lock, std::chrono::duration<double>(seconds), [&] { return shared->done; })) {
+    return fallback;
+  }
+  return shared->result;
+}
+
+}  // namespace
+
 // Posts this rank's message first (so a neighbour waiting on us learns it at once), then
 // gives `peer` a moment to post its own. A dead peer posts nothing: then it is the culprit.
+// Every store request runs under withDeadline: an unreachable store never holds this up.
 std::string Communicator::explainPeer(int peer, const std::string& message) {
   if (!board_.read) return "";
-  try {
-    board_.post(opt_.rank, message);
-    auto start = Clock::now();
-    do {
-      std::string theirs = board_.read(peer);
-      if (!theirs.empty()) return " -- because rank " + std::to_string(peer) + " failed first: " + theirs;
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    } while (secondsSince(start) < std::min(2.0, opt_.timeoutSec));
-    return " -- rank " + std::to_string(peer) + " reported no error: it died or is unreachable";
-  } catch (const std::exception&) {
-    return "";  // the store is gone too; the message above stands
-  }
+  const double patience = std::min(2.0, opt_.timeoutSec);
+  auto board = board_;  // copies: the thread below may outlive this communicator
+  const int rank = opt_.rank;
+  return withDeadline(
+      [board, rank, peer, message, patience] {
+        board.post(rank, message);
+        auto start = Clock::now();
+        do {
+          std::string theirs = board.read(peer);
+          if (!theirs.empty()) return " -- because rank " + std::to_string(peer) + " failed first: " + theirs;
+          std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        } while (secondsSince(start) < patience);
+        return " -- rank " + std::to_string(peer) + " reported no error: it died or is unreachable";
+      },
+      patience + 1.0,
+      " -- the rendezvous store did not answer within " + std::to_string(static_cast<int>(patience + 1.0)) +
+          " s, so rank " + std::to_string(peer) + "'s own error is unknown (its host may be unreachable)");
 }
 
 void Communicator::shutdown() {
@@ -304,9 +344,10 @@ void Communicator::execute(Op& op) {
     }
     if (shm_) shm_->abort(failure);
     if (tcp_) tcp_->close();
-    try {
-      if (board_.post) board_.post(opt_.rank, failure);
-    } catch (const std::exception&) {
+    if (board_.post) {  // tell the others why, without waiting long on the store
+      auto post = board_.post;
+      const int rank = opt_.rank;
+      withDeadline([post, rank, failure] { post(rank, failure); return std::string(); }, 1.0, "");
     }
     error = std::make_exception_ptr(CommFailedError(failure + "; " + kRecoveryHint));
   }
