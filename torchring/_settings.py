@@ -102,28 +102,28 @@ def _fail(name: str, raw: str, expected: str, default: str) -> ValueError:
     return ValueError(f"{name}={raw!r}: expected {expected}; unset it for the default {default}")
 
 
+def _number(name: str, raw: str, default: str, convert: Callable[[str], Any],
+            allowed: Callable[[Any], bool], expected: str) -> Any:
+    """`raw` converted, if it converts and the result is allowed; else the one message shape."""
+    try:
+        value = convert(raw)
+    except ValueError:
+        raise _fail(name, raw, expected, default) from None
+    if not allowed(value):
+        raise _fail(name, raw, expected, default)
+    return value
+
+
 def _integer(lo: int, hi: int, unit: str) -> Callable[[str, str, str], int]:
     def parse(name: str, raw: str, default: str) -> int:
-        expected = f"an integer {unit} in [{lo}, {hi}]"
-        try:
-            value = int(raw)
-        except ValueError:
-            raise _fail(name, raw, expected, default) from None
-        if not lo <= value <= hi:
-            raise _fail(name, raw, expected, default)
-        return value
+        return _number(name, raw, default, int, lambda v: lo <= v <= hi,
+                       f"an integer {unit} in [{lo}, {hi}]")
     return parse
 
 
 def _seconds(name: str, raw: str, default: str) -> float:
-    expected = f"a number of seconds > 0 and at most {_WEEK} (a week)"
-    try:
-        value = float(raw)
-    except ValueError:
-        raise _fail(name, raw, expected, default) from None
-    if not (math.isfinite(value) and 0 < value <= _WEEK):
-        raise _fail(name, raw, expected, default)
-    return value
+    return _number(name, raw, default, float, lambda v: math.isfinite(v) and 0 < v <= _WEEK,
+                   f"a number of seconds > 0 and at most {_WEEK} (a week)")
 
 
 def _pool_mb(name: str, raw: str, default: str) -> float | None:
@@ -132,14 +132,8 @@ def _pool_mb(name: str, raw: str, default: str) -> float | None:
         return None
     if lowered == "off":
         return 0.0
-    expected = "'auto', 'off' or 0 (no pool), or a number of MiB in [0, 1048576]"
-    try:
-        value = float(lowered)
-    except ValueError:
-        raise _fail(name, raw, expected, default) from None
-    if not (math.isfinite(value) and 0 <= value <= 1 << 20):
-        raise _fail(name, raw, expected, default)
-    return value
+    return _number(name, raw, default, float, lambda v: math.isfinite(v) and 0 <= v <= 1 << 20,
+                   "'auto', 'off' or 0 (no pool), or a number of MiB in [0, 1048576]")
 
 
 def _choice(*choices: str) -> Callable[[str, str, str], str]:

@@ -5,7 +5,7 @@ and both, at worlds 1-4, with integer data whose results are exact."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -81,21 +81,21 @@ def _rooted_and_gathers(rank: int, comm: Any, world: int) -> list[str]:
     return chk.failures
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_allreduce_every_dtype_op_and_size(layout: str) -> None:
+def _sweep_on(layout: str, sweep: Callable[[int, Any, int], list[str]]) -> None:
+    """Runs `sweep(rank, comm, world)` on every rank of `layout`; fails with what it found."""
     hosts, transport, one_shot = LAYOUTS[layout]
     world = len(hosts)
-    results = run_world(world, lambda r, c: _allreduce_sweep(r, c, world), hosts, transport,
+    results = run_world(world, lambda r, c: sweep(r, c, world), hosts, transport,
                         one_shot_bytes=one_shot)
     failures = [f for r in results for f in r]
     assert not failures, "\n".join(failures[:20])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_allreduce_every_dtype_op_and_size(layout: str) -> None:
+    _sweep_on(layout, _allreduce_sweep)
 
 
 @pytest.mark.parametrize("layout", ["one", "shm-3-chunked", "tcp-3", "hybrid-abab"])
 def test_broadcast_allgather_reduce_scatter(layout: str) -> None:
-    hosts, transport, one_shot = LAYOUTS[layout]
-    world = len(hosts)
-    results = run_world(world, lambda r, c: _rooted_and_gathers(r, c, world), hosts, transport,
-                        one_shot_bytes=one_shot)
-    failures = [f for r in results for f in r]
-    assert not failures, "\n".join(failures[:20])
+    _sweep_on(layout, _rooted_and_gathers)
