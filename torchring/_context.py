@@ -30,6 +30,16 @@ class _State:
     local_size: int
     transport: str
     settings: Settings
+    engine: Any = None  # the loaded engine module (groups build their communicators with it)
+    store: Any = None  # the rendezvous store (None for a single rank)
+    prefix: str = ""  # this init()'s store keys start with it
+    secret: str = ""
+    host: str = ""  # this rank's host identity
+    master_addr: str = ""
+    host_groups: list[list[int]] = dataclasses.field(default_factory=list)  # the world's, as wired
+    next_group: int = 1  # the id the next new_group() gets (0 is the world)
+    groups: dict[int, Any] = dataclasses.field(default_factory=dict)  # live groups' communicators
+    world_group: Any = None  # torchring.world_group()'s object, made on first use
     pid: int = dataclasses.field(default_factory=os.getpid)  # the process that joined
 
 
@@ -100,7 +110,9 @@ def init(timeout: float | None = None) -> None:
     local_size = launch.local_world_size if launch.local_world_size is not None else len(my_real)
     used = "none" if world == 1 else "+".join(
         t for t, on in (("shm", comm.has_shm), ("tcp", comm.num_hosts > 1)) if on)
-    _state = _State(launch, comm, local_rank, local_size, used or "none", settings)
+    _state = _State(launch, comm, local_rank, local_size, used or "none", settings, engine=engine,
+                    store=store, prefix=prefix, secret=secret, host=host,
+                    master_addr=launch.master_addr, host_groups=groups)
     _last_settings = settings
     # At exit, a job that never called shutdown() still lets its last GPU collectives finish
     # and stops the NCCL watchdog before the CUDA runtime unloads (registered once).
@@ -115,11 +127,14 @@ def init(timeout: float | None = None) -> None:
 
 
 def shutdown() -> None:
-    """Leaves the job: fails queued collectives and closes every connection."""
+    """Leaves the job: destroys every group, fails queued collectives, closes every connection."""
     global _state
     if _state is None:
         return
     state, _state = _state, None
+    groups, state.groups = list(state.groups.values()), {}
+    for comm in groups:  # every group first: their queues fail, the world's work may still end
+        comm.shutdown()
     if state.pid != os.getpid():  # a forked child's copy: the parent's job, not its own
         state.comm.shutdown()  # the engine keeps it, closing and aborting nothing
         return

@@ -1,26 +1,34 @@
 """The collectives API: checks the caller's input, then hands the work to the engine.
 
-Every collective is queued on the process's communicator and runs in submission order;
-every rank must submit the same collectives in the same order (the engine compares a
-header of each and raises CollectiveMismatchError on every rank when they differ, after which
-the next collective runs normally; docs/errors.md has every error). The blocking
-forms run on the calling thread when nothing is queued; the ``_async`` forms return a
-Handle at once and run on the communicator's progress thread.
+Every collective is queued on its group's communicator (the world's for ``group=None``) and
+runs in submission order; every rank of the group must submit the same collectives in the same
+order (the engine compares a header of each and raises CollectiveMismatchError on every rank
+when they differ, after which the next collective runs normally; docs/errors.md has every
+error). Ranks given to a collective (``src``, ``dst``) are ranks of its group. The blocking
+forms run on the calling thread when nothing is queued; the ``_async`` forms return a Handle at
+once and run on the communicator's progress thread.
 
-CUDA tensors go the way torchring._gpu_path chose at init(): on the "nccl" path to the NCCL
-communicator (its header compared by the CPU engine too), on the "staged" path through a
-pinned host copy that the CPU engine reduces, copied back when waited for. Either way the
-caller's input is checked once, and messages name the function the caller called.
+CUDA tensors go the way torchring._gpu_path chose at init(): on the "nccl" path allreduce,
+broadcast, allgather and reduce_scatter of the world group go to the NCCL communicator (its
+header compared by the CPU engine too); everything else (the other collectives, any collective
+of a group made by new_group(), scaling factors, uneven reduce_scatter rows) and the "staged"
+path go through a pinned host copy that the CPU engine reduces, copied back when waited for.
+Either way the caller's input is checked once, and messages name the function the caller called.
+
+This module also holds the checks and the dispatch that rooted, alltoall and p2p share.
 """
 
 from __future__ import annotations
 
+import math
 import pickle
+import time
 from typing import Any, Callable
 
 import torch
 
 from . import _context, _gpu_path
+from ._groups import GroupBase, Target, target
 from ._types import DTYPES, FLOATS, Handle, OpKind, ReduceOp, describe, dtype_name
 
 __all__ = [
@@ -29,33 +37,34 @@ __all__ = [
     "barrier_async", "broadcast_object", "allgather_object",
 ]
 
+_NCCL_KINDS = (OpKind.ALLREDUCE, OpKind.BROADCAST, OpKind.ALLGATHER, OpKind.REDUCE_SCATTER)
+_IN_PLACE = ("ALLREDUCE", "BROADCAST", "REDUCE", "SCATTER")  # kinds whose result is their input
 
 
-def _check_tensor(t: Any, what: str) -> torch.Tensor:
-    _context.communicator(what)  # raises before init()
-    where = f"rank {_context.rank()}: torchring.{what}"
+def _check_tensor(t: Any, what: str, tg: Target, name: str = "tensor") -> torch.Tensor:
+    where = tg.where(what)
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{where} expects a torch.Tensor, got {type(t).__name__}")
+        raise TypeError(f"{where} expects a torch.Tensor as {name}, got {type(t).__name__}")
     if t.layout != torch.strided:
-        raise TypeError(f"{where}: {t.layout} tensors are not supported; pass a dense tensor "
-                        "(tensor.to_dense())")
+        raise TypeError(f"{where}: {t.layout} tensors are not supported ({name}); pass a dense "
+                        "tensor (tensor.to_dense())")
     if t.dtype not in DTYPES:
         names = ", ".join(dtype_name(d) for d in DTYPES)
-        raise TypeError(f"{where}: tensor {describe(t)} has a dtype torchring does not support; "
+        raise TypeError(f"{where}: {name} {describe(t)} has a dtype torchring does not support; "
                         f"use one of {names}")
     if t.device.type == "cuda":
         _gpu_path.check(t, where)
     elif t.device.type != "cpu":
-        raise ValueError(f"{where}: tensor {describe(t)} is on {t.device}; torchring handles "
+        raise ValueError(f"{where}: {name} {describe(t)} is on {t.device}; torchring handles "
                          "CPU and CUDA tensors")
     if not t.is_contiguous():
-        raise ValueError(f"{where}: tensor {describe(t)} is not contiguous (strides "
+        raise ValueError(f"{where}: {name} {describe(t)} is not contiguous (strides "
                          f"{t.stride()}); pass tensor.contiguous() and use that tensor afterwards")
     return t
 
 
-def _check_op(t: torch.Tensor, op: Any, what: str) -> ReduceOp:
-    where = f"rank {_context.rank()}: torchring.{what}"
+def _check_op(t: torch.Tensor, op: Any, what: str, tg: Target) -> ReduceOp:
+    where = tg.where(what)
     if not isinstance(op, ReduceOp):
         raise TypeError(f"{where}: op must be a torchring.ReduceOp, got {op!r}")
     if t.dtype == torch.bool and op not in (ReduceOp.MIN, ReduceOp.MAX):
@@ -67,18 +76,48 @@ def _check_op(t: torch.Tensor, op: Any, what: str) -> ReduceOp:
     return op
 
 
-def _check_src(src: Any, what: str) -> int:
-    world = _context.size()
-    if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < world:
-        raise ValueError(f"rank {_context.rank()}: torchring.{what}: src must be a rank in "
-                         f"[0, {world}), got {src!r}")
-    return src
+def _check_rank(value: Any, name: str, what: str, tg: Target) -> int:
+    """A src/dst/peer argument: a rank of `tg`'s group."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < tg.size:
+        kind = "a rank" if tg.is_world else "a rank of the group (group ranks, not world ranks)"
+        raise ValueError(f"{tg.where(what)}: {name} must be {kind} in [0, {tg.size}), got {value!r}")
+    return value
+
+
+def _scale_kwargs(t: torch.Tensor, prescale: Any, postscale: Any, what: str,
+                  tg: Target) -> dict[str, float]:
+    """The engine's prescale/postscale keywords (none when both are 1)."""
+    for name, value in (("prescale_factor", prescale), ("postscale_factor", postscale)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{tg.where(what)}: {name} must be a finite number, got {value!r}")
+    if prescale == 1 and postscale == 1:
+        return {}
+    if t.dtype not in FLOATS:
+        raise ValueError(f"{tg.where(what)}: prescale_factor/postscale_factor other than 1 need a "
+                         f"floating-point tensor, got {describe(t)}; scale it yourself or convert")
+    return {"prescale": float(prescale), "postscale": float(postscale)}
+
+
+def rows_of(rows: int, size: int, rank: int) -> tuple[int, int]:
+    """(first row, number of rows) of `rank`'s share of `rows` split over `size` ranks: the
+    first rows % size ranks get one row more (reduce_scatter)."""
+    base, extra = divmod(rows, size)
+    return rank * base + min(rank, extra), base + (rank < extra)
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True if the bytes of contiguous `a` and `b` overlap."""
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def _submit(kind: OpKind, t: torch.Tensor | None, op: int, root: int, inline: bool,
-            what: str) -> Any:
-    """Queues a CPU collective on the engine; returns its Work."""
-    return _context.communicator(what).submit(int(kind), t, int(op), root, inline)
+            what: str, tg: Target | None = None, **kw: Any) -> Any:
+    """Queues a CPU collective on the engine (the world's without `tg`); returns its Work."""
+    comm = tg.comm if tg is not None else _context.communicator(what)
+    return comm.submit(int(kind), t, int(op), root, inline, **kw)
 
 
 def _nccl(kind: OpKind, t: torch.Tensor, op: int, root: int, what: str) -> Handle:
@@ -108,125 +147,184 @@ def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
-def _staged(kind: OpKind, t: torch.Tensor, op: int, root: int, inline: bool, what: str) -> Handle:
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """`t` as the CPU engine takes it: itself on the CPU, a pinned copy of a CUDA tensor."""
+    return _pinned_copy(t) if t.is_cuda else t
+
+
+def _staged(kind: OpKind, t: torch.Tensor, op: int, root: int, inline: bool, what: str,
+            tg: Target | None = None, **kw: Any) -> Handle:
     """Runs a collective of a CUDA tensor on the CPU engine through a pinned host copy."""
     host = _pinned_copy(t)
     back: Callable[[torch.Tensor], torch.Tensor]
-    if kind in (OpKind.ALLREDUCE, OpKind.BROADCAST):
+    if kind.name in _IN_PLACE:
         back = t.copy_  # in place, like the CPU form
     else:
         back = lambda out: out.to(t.device)  # noqa: E731  a new tensor, like the CPU form
-    return Handle(_submit(kind, host, op, root, inline, what), back)
+    return Handle(_submit(kind, host, op, root, inline, what, tg, **kw), back)
 
 
-def _run(kind: OpKind, t: torch.Tensor, op: int, root: int, inline: bool, what: str) -> Handle:
-    """Starts a checked tensor's collective on the path for its device."""
+def _run(kind: OpKind, t: torch.Tensor, op: int, root: int, inline: bool, what: str, tg: Target,
+         nccl: bool = True, **kw: Any) -> Handle:
+    """Starts a checked tensor's collective on the path for its device (the NCCL path only
+    for `nccl` calls of the world's four NCCL kinds without extra keywords)."""
     if not t.is_cuda:
-        return Handle(_submit(kind, t, op, root, inline, what))
-    if _gpu_path.path() == "nccl":
+        return Handle(_submit(kind, t, op, root, inline, what, tg, **kw))
+    if nccl and _gpu_path.path() == "nccl" and tg.is_world and kind in _NCCL_KINDS and not kw:
         return _nccl(kind, t, op, root, what)
-    return _staged(kind, t, op, root, inline, what)
+    return _staged(kind, t, op, root, inline, what, tg, **kw)
 
 
-def _allreduce(tensor: torch.Tensor, op: ReduceOp, what: str, inline: bool) -> Handle:
-    t = _check_tensor(tensor, what)
-    op = _check_op(t, op, what)
-    return _run(OpKind.ALLREDUCE, t, op, -1, inline, what)
+class _Works:
+    """Several engine Works waited for as one (allreduce_many of several dtypes)."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+        self.seq = works[0].seq if works else -1
+
+    def _each(self, method: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout if timeout > 0 else None
+        for work in self.works:  # a timeout of 0 waits for ever, so a spent deadline waits 1 us
+            left = 0.0 if deadline is None else max(deadline - time.monotonic(), 1e-6)
+            getattr(work, method)(left)
+
+    def wait(self, timeout: float = 0.0) -> None:
+        self._each("wait", timeout)
+
+    def synchronize(self, timeout: float = 0.0) -> None:
+        self._each("synchronize", timeout)
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
 
 
-def allreduce_async(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> Handle:
+def _allreduce(tensor: torch.Tensor, op: ReduceOp, prescale: float, postscale: float,
+               group: GroupBase | None, what: str, inline: bool) -> Handle:
+    tg = target(group, what)
+    t = _check_tensor(tensor, what, tg)
+    op = _check_op(t, op, what, tg)
+    kw = _scale_kwargs(t, prescale, postscale, what, tg)
+    return _run(OpKind.ALLREDUCE, t, op, -1, inline, what, tg, **kw)
+
+
+def allreduce_async(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, prescale_factor: float = 1.0,
+                    postscale_factor: float = 1.0, group: GroupBase | None = None) -> Handle:
     """Starts an in-place allreduce of `tensor`; wait() returns `tensor`."""
-    return _allreduce(tensor, op, "allreduce_async", False)
+    return _allreduce(tensor, op, prescale_factor, postscale_factor, group, "allreduce_async", False)
 
 
-def allreduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
-    """Reduces `tensor` across ranks in place and returns it."""
-    return _allreduce(tensor, op, "allreduce", True).wait()
+def allreduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, group: GroupBase | None = None) -> torch.Tensor:
+    """Reduces `tensor` across ranks in place (each input times prescale_factor, the result
+    times postscale_factor) and returns it."""
+    return _allreduce(tensor, op, prescale_factor, postscale_factor, group, "allreduce", True).wait()
 
 
-def _broadcast(tensor: torch.Tensor, src: int, what: str, inline: bool) -> Handle:
-    t = _check_tensor(tensor, what)
-    src = _check_src(src, what)
-    return _run(OpKind.BROADCAST, t, 0, src, inline, what)
+def _broadcast(tensor: torch.Tensor, src: int, group: GroupBase | None, what: str,
+               inline: bool) -> Handle:
+    tg = target(group, what)
+    t = _check_tensor(tensor, what, tg)
+    src = _check_rank(src, "src", what, tg)
+    return _run(OpKind.BROADCAST, t, 0, src, inline, what, tg)
 
 
-def broadcast_async(tensor: torch.Tensor, src: int = 0) -> Handle:
+def broadcast_async(tensor: torch.Tensor, src: int = 0, group: GroupBase | None = None) -> Handle:
     """Starts copying rank `src`'s `tensor` into every rank's `tensor`."""
-    return _broadcast(tensor, src, "broadcast_async", False)
+    return _broadcast(tensor, src, group, "broadcast_async", False)
 
 
-def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+def broadcast(tensor: torch.Tensor, src: int = 0, group: GroupBase | None = None) -> torch.Tensor:
     """Copies rank `src`'s `tensor` into every rank's `tensor` and returns it."""
-    return _broadcast(tensor, src, "broadcast", True).wait()
+    return _broadcast(tensor, src, group, "broadcast", True).wait()
 
 
-def _allgather(tensor: torch.Tensor, what: str, inline: bool) -> Handle:
-    t = _check_tensor(tensor, what)
+def _allgather(tensor: torch.Tensor, group: GroupBase | None, what: str, inline: bool) -> Handle:
+    tg = target(group, what)
+    t = _check_tensor(tensor, what, tg)
     t = t.reshape(1) if t.dim() == 0 else t  # a scalar is one row
-    return _run(OpKind.ALLGATHER, t, 0, -1, inline, what)
+    return _run(OpKind.ALLGATHER, t, 0, -1, inline, what, tg)
 
 
-def allgather_async(tensor: torch.Tensor) -> Handle:
+def allgather_async(tensor: torch.Tensor, group: GroupBase | None = None) -> Handle:
     """Starts an allgather; wait() returns every rank's tensor concatenated along dim 0."""
-    return _allgather(tensor, "allgather_async", False)
+    return _allgather(tensor, group, "allgather_async", False)
 
 
-def allgather(tensor: torch.Tensor) -> torch.Tensor:
+def allgather(tensor: torch.Tensor, group: GroupBase | None = None) -> torch.Tensor:
     """Concatenates every rank's `tensor` along dim 0 (its size may differ per rank)."""
-    return _allgather(tensor, "allgather", True).wait()
+    return _allgather(tensor, group, "allgather", True).wait()
 
 
-def _reduce_scatter(tensor: torch.Tensor, op: ReduceOp, what: str, inline: bool) -> Handle:
-    t = _check_tensor(tensor, what)
-    op = _check_op(t, op, what)
-    world, me = _context.size(), _context.rank()
-    if t.dim() == 0 or t.shape[0] % world != 0:
-        raise ValueError(f"rank {me}: torchring.{what}: dim 0 of tensor {describe(t)} must be "
-                         f"divisible by the world size {world}; pad it to a multiple of {world}")
-    return _run(OpKind.REDUCE_SCATTER, t, op, -1, inline, what)
+def _check_rows(t: torch.Tensor, what: str, tg: Target) -> None:
+    if t.dim() == 0:
+        raise ValueError(f"{tg.where(what)}: tensor {describe(t)} has no dim 0 to split over the "
+                         f"ranks; pass a tensor of at least one dimension (tensor.reshape(1))")
 
 
-def reduce_scatter_async(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> Handle:
+def _reduce_scatter(tensor: torch.Tensor, op: ReduceOp, prescale: float, postscale: float,
+                    group: GroupBase | None, what: str, inline: bool) -> Handle:
+    tg = target(group, what)
+    t = _check_tensor(tensor, what, tg)
+    op = _check_op(t, op, what, tg)
+    _check_rows(t, what, tg)
+    kw = _scale_kwargs(t, prescale, postscale, what, tg)
+    even = t.shape[0] % tg.size == 0  # NCCL splits evenly only
+    return _run(OpKind.REDUCE_SCATTER, t, op, -1, inline, what, tg, nccl=even, **kw)
+
+
+def reduce_scatter_async(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
+                         prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                         group: GroupBase | None = None) -> Handle:
     """Starts a reduce_scatter (keep `tensor` unchanged until wait()); wait() returns this rank's rows."""
-    return _reduce_scatter(tensor, op, "reduce_scatter_async", False)
+    return _reduce_scatter(tensor, op, prescale_factor, postscale_factor, group,
+                           "reduce_scatter_async", False)
 
 
-def reduce_scatter(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
-    """Reduces `tensor` across ranks and returns rows [rank*m, (rank+1)*m), m = dim0/size()."""
-    return _reduce_scatter(tensor, op, "reduce_scatter", True).wait()
+def reduce_scatter(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, prescale_factor: float = 1.0,
+                   postscale_factor: float = 1.0, group: GroupBase | None = None) -> torch.Tensor:
+    """Reduces `tensor` across ranks and returns this rank's rows of the result: dim 0 split
+    in rank order, the first dim0 % size ranks one row more."""
+    return _reduce_scatter(tensor, op, prescale_factor, postscale_factor, group,
+                           "reduce_scatter", True).wait()
 
 
-def barrier_async() -> Handle:
+def _barrier(group: GroupBase | None, what: str, inline: bool) -> Handle:
+    tg = target(group, what)
+    return Handle(_submit(OpKind.BARRIER, None, 0, -1, inline, what, tg))
+
+
+def barrier_async(group: GroupBase | None = None) -> Handle:
     """Starts a barrier; wait() returns once every rank has reached it."""
-    return Handle(_submit(OpKind.BARRIER, None, 0, -1, False, "barrier_async"))
+    return _barrier(group, "barrier_async", False)
 
 
-def barrier() -> None:
+def barrier(group: GroupBase | None = None) -> None:
     """Returns once every rank has called barrier()."""
-    Handle(_submit(OpKind.BARRIER, None, 0, -1, True, "barrier")).wait()
+    _barrier(group, "barrier", True).wait()
 
 
 def _to_bytes_tensor(obj: Any) -> torch.Tensor:
     return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
 
 
-def broadcast_object(obj: Any, src: int = 0) -> Any:
+def broadcast_object(obj: Any, src: int = 0, group: GroupBase | None = None) -> Any:
     """Returns rank `src`'s picklable `obj` on every rank."""
-    src = _check_src(src, "broadcast_object")
-    mine = _context.rank() == src
+    tg = target(group, "broadcast_object")
+    src = _check_rank(src, "src", "broadcast_object", tg)
+    mine = tg.rank == src
     payload = _to_bytes_tensor(obj) if mine else None
     length = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64)
-    broadcast(length, src)
+    broadcast(length, src, group)
     buffer = payload if payload is not None else torch.empty(int(length.item()), dtype=torch.uint8)
-    broadcast(buffer, src)
+    broadcast(buffer, src, group)
     return obj if mine else pickle.loads(buffer.numpy().tobytes())
 
 
-def allgather_object(obj: Any) -> list[Any]:
-    """Returns the list of every rank's picklable `obj`, indexed by rank."""
+def allgather_object(obj: Any, group: GroupBase | None = None) -> list[Any]:
+    """Returns the list of every rank's picklable `obj`, indexed by (group) rank."""
     payload = _to_bytes_tensor(obj)
-    lengths = allgather(torch.tensor([payload.numel()], dtype=torch.int64)).tolist()
-    data = allgather(payload).numpy().tobytes()
+    lengths = allgather(torch.tensor([payload.numel()], dtype=torch.int64), group).tolist()
+    data = allgather(payload, group).numpy().tobytes()
     out, start = [], 0
     for n in lengths:
         out.append(pickle.loads(data[start:start + n]))
