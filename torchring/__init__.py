@@ -3,6 +3,7 @@
     import torchring
     torchring.init()
     torchring.allreduce(tensor)            # in place, SUM by default
+    group = torchring.new_group([0, 1])    # every rank calls it; group.allreduce(tensor) ...
 """
 
 from . import cuda  # torchring.cuda.path(), reason(), device()
@@ -14,6 +15,12 @@ from .collectives import (Handle, ReduceOp, allgather, allgather_async, allgathe
                           allreduce, allreduce_async, barrier, barrier_async, broadcast,
                           broadcast_async, broadcast_object, reduce_scatter,
                           reduce_scatter_async)
+from .exchange import all_to_all_single, all_to_all_single_async, alltoall, alltoall_async
+from .groups import Group, new_group, world_group
+from .p2p import irecv, isend, recv, send
+from .rooted import (allgather_into, allgather_into_async, allreduce_many, allreduce_many_async,
+                     gather, gather_async, reduce, reduce_async, reduce_scatter_into,
+                     reduce_scatter_into_async, scatter, scatter_async)
 from .memory import empty
 from .model import DistributedModel, wrap
 
@@ -26,4 +33,10 @@ __all__ = [
     "broadcast", "broadcast_async", "allgather", "allgather_async", "reduce_scatter",
     "reduce_scatter_async", "barrier", "barrier_async", "broadcast_object",
     "allgather_object", "empty", "wrap", "DistributedModel",
+    "Group", "new_group", "world_group",
+    "send", "recv", "isend", "irecv",
+    "reduce", "reduce_async", "gather", "gather_async", "scatter", "scatter_async",
+    "allgather_into", "allgather_into_async", "reduce_scatter_into", "reduce_scatter_into_async",
+    "allreduce_many", "allreduce_many_async",
+    "alltoall", "alltoall_async", "all_to_all_single", "all_to_all_single_async",
 ]

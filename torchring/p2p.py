@@ -1,0 +1,75 @@
+"""Point-to-point: send, recv, isend, irecv between two ranks of a group.
+
+Messages between two ranks match in order per tag: the n-th recv from a rank with a tag gets
+that rank's n-th send with that tag to this rank, whatever else runs meanwhile (p2p does not
+take part in the collectives' order). The receiving tensor must have as many bytes as the sent
+one. Within a host the bytes go through shared memory, across hosts over a direct TCP
+connection opened on first use. A send completes once the peer's recv took it; a peer that
+never posts the matching call fails the group's communicator after the timeout. CUDA tensors
+go through a host copy. `dst`/`src` are ranks of the group (the world's for ``group=None``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ._groups import GroupBase, Target, target
+from ._types import Handle
+from .collectives import _check_rank, _check_tensor, _host
+
+__all__ = ["send", "recv", "isend", "irecv"]
+
+
+def _check_tag(tag: Any, what: str, tg: Target) -> int:
+    if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag < 2**31:
+        raise ValueError(f"{tg.where(what)}: tag must be an integer in [0, 2**31), got {tag!r}")
+    return tag
+
+
+def _check_peer(peer: Any, name: str, what: str, tg: Target) -> int:
+    peer = _check_rank(peer, name, what, tg)
+    if peer == tg.rank:
+        raise ValueError(f"{tg.where(what)}: {name}={peer} is this rank itself; send to and "
+                         "receive from other ranks only")
+    return peer
+
+
+def _send(tensor: torch.Tensor, dst: int, tag: int, group: GroupBase | None, what: str) -> Handle:
+    tg = target(group, what)
+    t = _check_tensor(tensor, what, tg)
+    dst = _check_peer(dst, "dst", what, tg)
+    tag = _check_tag(tag, what, tg)
+    return Handle(tg.comm.send(_host(t), dst, tag), lambda _: None)
+
+
+def _recv(tensor: torch.Tensor, src: int, tag: int, group: GroupBase | None, what: str) -> Handle:
+    tg = target(group, what)
+    t = _check_tensor(tensor, what, tg)
+    src = _check_peer(src, "src", what, tg)
+    tag = _check_tag(tag, what, tg)
+    if not t.is_cuda:
+        return Handle(tg.comm.recv(t, src, tag))
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return Handle(tg.comm.recv(host, src, tag), t.copy_)
+
+
+def isend(tensor: torch.Tensor, dst: int, tag: int = 0, group: GroupBase | None = None) -> Handle:
+    """Starts sending `tensor` to rank `dst` (keep it unchanged until wait()); wait() returns None."""
+    return _send(tensor, dst, tag, group, "isend")
+
+
+def send(tensor: torch.Tensor, dst: int, tag: int = 0, group: GroupBase | None = None) -> None:
+    """Sends `tensor` to rank `dst`; returns once its matching recv took it."""
+    _send(tensor, dst, tag, group, "send").wait()
+
+
+def irecv(tensor: torch.Tensor, src: int, tag: int = 0, group: GroupBase | None = None) -> Handle:
+    """Starts receiving rank `src`'s next send with `tag` into `tensor`; wait() returns `tensor`."""
+    return _recv(tensor, src, tag, group, "irecv")
+
+
+def recv(tensor: torch.Tensor, src: int, tag: int = 0, group: GroupBase | None = None) -> torch.Tensor:
+    """Receives rank `src`'s next send with `tag` into `tensor` and returns it."""
+    return _recv(tensor, src, tag, group, "recv").wait()
