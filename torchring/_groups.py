@@ -67,7 +67,7 @@ class Target:
     size: int
     world_rank: int
     gid: int  # 0: the world
-    ranks: tuple[int, ...]
+    ranks: Sequence[int]  # world ranks by rank of the communicator
 
     @property
     def is_world(self) -> bool:
@@ -171,7 +171,7 @@ def target(group: GroupBase | None, what: str) -> Target:
     if group is None:
         state = _context._require(what)
         me, world = state.launch.rank, state.launch.world_size
-        return Target(state.comm, me, world, me, 0, tuple(range(world)))
+        return Target(state.comm, me, world, me, 0, range(world))
     if not isinstance(group, GroupBase):
         _context._require(what)
         raise TypeError(f"rank {_context.rank()}: torchring.{what}: group must be a torchring.Group "
