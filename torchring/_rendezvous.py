@@ -8,10 +8,13 @@ never reads stale keys:
 2. every rank publishes ``host/{rank}`` and reads all of them: ranks with the same host
    identity form a local group (shared memory), the first rank of each host is its leader
    (TCP ring between hosts);
-3. every rank creates its shared-memory region, the leaders open a listening socket, and
-   each publishes ``info/{rank}`` = {host, addr, port, pid, shm};
+3. every rank creates its shared-memory region, the leaders open a listening socket for the
+   ring, every rank of a job on several hosts one for point-to-point messages, and each
+   publishes ``info/{rank}`` = {host, addr, port, p2p_port, pid, shm};
 4. ranks map their local peers' regions, wait until the whole host has, and unlink their
-   own name (nothing stays in /dev/shm, even after a crash); leaders connect the ring.
+   own name (nothing stays in /dev/shm, even after a crash); leaders connect the ring; every
+   rank learns where the ranks of other hosts listen for point-to-point messages (those
+   connections open on first use).
 
 Steps 1 and 2 run in _context.init(); communicator() and wire() do 3 and 4 for any store and
 any rank, so tests can wire N communicators on N threads over one in-process HashStore.
@@ -111,14 +114,17 @@ def wire(comm: Any, store: dist.Store, prefix: str, rank: int, master_addr: str,
     """Steps 3 and 4 above for `comm` (made by communicator()); start() it afterwards."""
     timeout = settings.timeout
     shm_name = comm.create_shm(f"{os.getpid()}{secrets.token_hex(3)}") if comm.has_shm else ""
-    port, addr = None, None
-    if comm.is_leader and comm.num_hosts > 1:
+    port, addr, p2p_port = None, None, None
+    if comm.num_hosts > 1:
         addr = route_addr(master_addr, settings.addr)
         bind = settings.bind_addr
         if bind is None:
             bind = "127.0.0.1" if addr.startswith("127.") else ""  # "": every interface
-        port = comm.listen(bind)
-    info = {"host": host, "addr": addr, "port": port, "pid": os.getpid(), "shm": shm_name}
+        if comm.is_leader:
+            port = comm.listen(bind)
+        p2p_port = comm.listen_p2p(bind)
+    info = {"host": host, "addr": addr, "port": port, "p2p_port": p2p_port, "pid": os.getpid(),
+            "shm": shm_name}
     store.set(prefix + f"info/{rank}", json.dumps(info))
 
     def info_of(r: int) -> dict:
@@ -137,3 +143,9 @@ def wire(comm: Any, store: dist.Store, prefix: str, rank: int, master_addr: str,
         right = groups[(comm.host_index + 1) % len(groups)][0]
         peer = info_of(right)
         comm.connect_ring(peer["addr"], int(peer["port"]))
+    if comm.num_hosts > 1:
+        mine = set(group)
+        world = sum(len(g) for g in groups)
+        others = [None if r in mine else info_of(r) for r in range(world)]
+        comm.set_p2p_peers([i["addr"] if i else "" for i in others],
+                           [int(i["p2p_port"]) if i else -1 for i in others])

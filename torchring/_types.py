@@ -33,11 +33,19 @@ class OpKind(enum.IntEnum):
     ALLGATHER = 2
     REDUCE_SCATTER = 3
     BARRIER = 4
+    REDUCE = 5
+    GATHER = 6
+    SCATTER = 7
+    ALLTOALL = 8
+    ALLREDUCE_MANY = 9
+    SEND = 10  # names point-to-point handles; never queued as a collective
+    RECV = 11
 
 
 # The engine's dtype enum, in its order.
 DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
-                                   torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool)
+                                   torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool,
+                                   torch.int16)
 FLOATS: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 

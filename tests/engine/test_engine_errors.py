@@ -104,9 +104,9 @@ def test_the_engine_checks_what_its_direct_callers_pass() -> None:
         errors = []
         for kind, t, op, root in [(OpKind.BROADCAST, torch.ones(3), 0, 2),
                                   (OpKind.BROADCAST, torch.ones(3), 0, -1),
-                                  (OpKind.REDUCE_SCATTER, torch.ones(3), 0, -1),
+                                  (OpKind.REDUCE_SCATTER, torch.tensor(1.0), 0, -1),
                                   (OpKind.ALLREDUCE, None, 0, -1),
-                                  (9, torch.ones(3), 0, -1),
+                                  (12, torch.ones(3), 0, -1),
                                   (OpKind.ALLREDUCE, torch.ones(3), 7, -1)]:
             with pytest.raises(ValueError) as caught:
                 comm.submit(int(kind), t, op, root, True)
@@ -116,9 +116,9 @@ def test_the_engine_checks_what_its_direct_callers_pass() -> None:
         return errors
 
     for rank, errors in enumerate(run_world(2, job)):
-        assert "broadcast root must be a rank in [0, 2), got 2" in errors[0], errors
-        assert "got -1" in errors[1] and "must be divisible by the world size 2" in errors[2], errors
-        assert "allreduce needs a tensor" in errors[3] and "unknown op kind 9" in errors[4], errors
+        assert "broadcast: the root must be a rank in [0, 2), got 2" in errors[0], errors
+        assert "got -1" in errors[1] and "float32[]: the tensor needs a dim 0" in errors[2], errors
+        assert "allreduce needs a tensor" in errors[3] and "unknown collective kind 12" in errors[4], errors
         assert "unknown reduce op 7" in errors[5] and errors[6] == str([2.0] * 5), errors
         assert all(e.startswith(f"rank {rank}:") for e in errors[:4]), errors
 

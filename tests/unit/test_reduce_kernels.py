@@ -36,10 +36,10 @@ def _run(srcs: list[torch.Tensor], op: str, scale: float = 1.0) -> torch.Tensor:
 def test_engine_enums_match_their_python_mirror() -> None:
     assert ENGINE.REDUCE_OPS == {"SUM": 0, "AVG": 1, "MIN": 2, "MAX": 3, "PRODUCT": 4}
     assert ENGINE.DTYPES == ["float32", "float64", "float16", "bfloat16", "int8", "uint8",
-                             "int32", "int64", "bool"]
+                             "int32", "int64", "bool", "int16"]
 
 
-@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int32, torch.int64,
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64,
                                    torch.float32, torch.float64])
 @pytest.mark.parametrize("op", ["SUM", "MIN", "MAX", "PRODUCT"])
 def test_exact_dtypes(dtype: torch.dtype, op: str) -> None:

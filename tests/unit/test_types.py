@@ -11,9 +11,12 @@ import torch
 from torchring import _types
 
 # What the engine declares (issue #11): op kinds, and dtypes in the engine's enum order.
-ENGINE_OP_KINDS = {"ALLREDUCE": 0, "BROADCAST": 1, "ALLGATHER": 2, "REDUCE_SCATTER": 3, "BARRIER": 4}
+ENGINE_OP_KINDS = {"ALLREDUCE": 0, "BROADCAST": 1, "ALLGATHER": 2, "REDUCE_SCATTER": 3, "BARRIER": 4,
+                   "REDUCE": 5, "GATHER": 6, "SCATTER": 7, "ALLTOALL": 8, "ALLREDUCE_MANY": 9,
+                   "SEND": 10, "RECV": 11}
 ENGINE_REDUCE_OPS = {"SUM": 0, "AVG": 1, "MIN": 2, "MAX": 3, "PRODUCT": 4}
-ENGINE_DTYPES = ["float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64", "bool"]
+ENGINE_DTYPES = ["float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64", "bool",
+                 "int16"]
 
 
 def _engine(**attrs: object) -> SimpleNamespace:

@@ -243,16 +243,36 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("shutdown", &Communicator::shutdown, py::call_guard<py::gil_scoped_release>())
       .def(
           "submit",
-          [](Communicator& c, int kind, std::optional<at::Tensor> tensor, int op, int root,
-             bool runInline) {
-            TORCH_CHECK_VALUE(kind >= 0 && kind < torchring::kNumOpKinds, "submit: unknown op kind ", kind);
+          [](Communicator& c, int kind, std::optional<at::Tensor> tensor, int op, int root, bool runInline,
+             std::optional<at::Tensor> out, std::vector<at::Tensor> tensors, double prescale, double postscale,
+             std::optional<at::Tensor> sendSplits, std::optional<at::Tensor> recvSplits, bool recvSplitsKnown) {
+            TORCH_CHECK_VALUE(kind >= 0 && kind < torchring::kNumOpKinds && kind != static_cast<int>(OpKind::SEND) &&
+                                  kind != static_cast<int>(OpKind::RECV),
+                              "submit: unknown collective kind ", kind);
             TORCH_CHECK_VALUE(op >= 0 && op < torchring::kNumReduceOps, "submit: unknown reduce op ", op);
             at::Tensor t = tensor.has_value() ? *tensor : at::Tensor();
+            torchring::OpArgs args;
+            args.out = out.has_value() ? *out : at::Tensor();
+            args.tensors = std::move(tensors);
+            args.prescale = prescale;
+            args.postscale = postscale;
+            args.sendSplits = sendSplits.has_value() ? *sendSplits : at::Tensor();
+            args.recvSplits = recvSplits.has_value() ? *recvSplits : at::Tensor();
+            args.recvSplitsKnown = recvSplitsKnown;
             py::gil_scoped_release release;
-            return c.submit(static_cast<OpKind>(kind), std::move(t), static_cast<ReduceOp>(op),
-                            root, runInline);
+            return c.submit(static_cast<OpKind>(kind), std::move(t), static_cast<ReduceOp>(op), root, runInline,
+                            std::move(args));
           },
-          py::arg("kind"), py::arg("tensor"), py::arg("op"), py::arg("root"), py::arg("inline"))
+          py::arg("kind"), py::arg("tensor"), py::arg("op"), py::arg("root"), py::arg("inline"), py::kw_only(),
+          py::arg("out") = py::none(), py::arg("tensors") = std::vector<at::Tensor>(), py::arg("prescale") = 1.0,
+          py::arg("postscale") = 1.0, py::arg("send_splits") = py::none(), py::arg("recv_splits") = py::none(),
+          py::arg("recv_splits_known") = false)
+      .def("send", &Communicator::send, py::arg("tensor"), py::arg("peer"), py::arg("tag"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("recv", &Communicator::recv, py::arg("tensor"), py::arg("peer"), py::arg("tag"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("listen_p2p", &Communicator::listenP2P, py::arg("bind_addr"), py::call_guard<py::gil_scoped_release>())
+      .def("set_p2p_peers", &Communicator::setP2PPeers, py::arg("addrs"), py::arg("ports"))
       .def(
           "submit_check",
           [](Communicator& c, int kind, at::Tensor like, int op, int root) {

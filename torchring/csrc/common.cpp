@@ -24,6 +24,7 @@ size_t elementSize(DType dtype) {
       return 4;
     case DType::F16:
     case DType::BF16:
+    case DType::I16:
       return 2;
     case DType::I8:
     case DType::U8:
@@ -35,7 +36,7 @@ size_t elementSize(DType dtype) {
 
 const char* dtypeName(DType dtype) {
   static const char* kNames[] = {"float32", "float64", "float16", "bfloat16", "int8",
-                                 "uint8",   "int32",   "int64",   "bool"};
+                                 "uint8",   "int32",   "int64",   "bool",     "int16"};
   auto i = static_cast<size_t>(dtype);
   return i < sizeof(kNames) / sizeof(kNames[0]) ? kNames[i] : "unknown-dtype";
 }
@@ -47,10 +48,11 @@ const char* opName(ReduceOp op) {
 }
 
 const char* kindName(OpKind kind) {
-  static const char* kNames[] = {"allreduce", "broadcast", "allgather", "reduce_scatter",
-                                 "barrier"};
+  static const char* kNames[] = {"allreduce", "broadcast",     "allgather", "reduce_scatter",
+                                 "barrier",   "reduce",        "gather",    "scatter",
+                                 "alltoall",  "allreduce_many", "send",     "recv"};
   auto i = static_cast<size_t>(kind);
-  return i < 5 ? kNames[i] : "unknown-collective";
+  return i < static_cast<size_t>(kNumOpKinds) ? kNames[i] : "unknown-collective";
 }
 
 void OpHeader::setShape(const int64_t* sizes, int n) {
@@ -78,10 +80,16 @@ std::string OpHeader::describe() const {
     }
   }
   out << "]";
-  if (k == OpKind::ALLREDUCE || k == OpKind::REDUCE_SCATTER) {
+  if (k == OpKind::ALLREDUCE_MANY) out << " in " << rows << " tensors";
+  if (k == OpKind::ALLREDUCE || k == OpKind::REDUCE_SCATTER || k == OpKind::REDUCE ||
+      k == OpKind::ALLREDUCE_MANY) {
     out << " " << opName(static_cast<ReduceOp>(op));
   }
-  if (k == OpKind::BROADCAST) out << " root=" << root;
+  if (prescale != 1.0) out << " prescale=" << prescale;
+  if (postscale != 1.0) out << " postscale=" << postscale;
+  if (k == OpKind::BROADCAST || k == OpKind::REDUCE || k == OpKind::GATHER || k == OpKind::SCATTER) {
+    out << " root=" << root;
+  }
   out << (onGpu ? " on CUDA" : "");
   return out.str();
 }
@@ -104,11 +112,20 @@ bool OpHeader::matches(const OpHeader& o) const {
     case OpKind::BARRIER:
       return true;
     case OpKind::ALLGATHER:  // dim 0 may differ per rank; the rows' shape may not
+    case OpKind::ALLTOALL:
       return dtype == o.dtype && rowElems == o.rowElems && sameShape(o, 1);
     case OpKind::BROADCAST:
+    case OpKind::GATHER:
+    case OpKind::SCATTER:
       return dtype == o.dtype && count == o.count && root == o.root && sameShape(o, 0);
+    case OpKind::REDUCE:
+      return dtype == o.dtype && count == o.count && op == o.op && root == o.root && sameShape(o, 0);
+    case OpKind::ALLREDUCE_MANY:
+      return dtype == o.dtype && count == o.count && op == o.op && rows == o.rows &&
+             shapesHash == o.shapesHash && prescale == o.prescale && postscale == o.postscale;
     default:
-      return dtype == o.dtype && count == o.count && op == o.op && sameShape(o, 0);
+      return dtype == o.dtype && count == o.count && op == o.op && sameShape(o, 0) &&
+             prescale == o.prescale && postscale == o.postscale;
   }
 }
 

@@ -49,9 +49,13 @@ extern const char* const kRecoveryHint;
 // Python's torchring._types mirrors these three; it checks them against the names and values
 // bindings.cpp publishes (REDUCE_OPS, DTYPES, OP_KINDS) when the engine loads.
 enum class ReduceOp : uint8_t { SUM = 0, AVG = 1, MIN = 2, MAX = 3, PRODUCT = 4 };
-enum class DType : uint8_t { F32 = 0, F64, F16, BF16, I8, U8, I32, I64, BOOL };
-enum class OpKind : uint8_t { ALLREDUCE = 0, BROADCAST, ALLGATHER, REDUCE_SCATTER, BARRIER };
-constexpr int kNumReduceOps = 5, kNumDTypes = 9, kNumOpKinds = 5;
+enum class DType : uint8_t { F32 = 0, F64, F16, BF16, I8, U8, I32, I64, BOOL, I16 };
+// SEND and RECV name point-to-point Works (p2p.h); they never enter the ordered queue.
+enum class OpKind : uint8_t {
+  ALLREDUCE = 0, BROADCAST, ALLGATHER, REDUCE_SCATTER, BARRIER,
+  REDUCE, GATHER, SCATTER, ALLTOALL, ALLREDUCE_MANY, SEND, RECV
+};
+constexpr int kNumReduceOps = 5, kNumDTypes = 10, kNumOpKinds = 12;
 
 size_t elementSize(DType dtype);
 const char* dtypeName(DType dtype);
@@ -69,8 +73,12 @@ struct OpHeader {
 
   uint64_t seq = 0;          // operation sequence number, counted per process from 0
   uint64_t count = 0;        // elements this rank contributes
-  uint64_t rowElems = 0;     // allgather: elements per dim-0 row (must match); else 0
-  uint64_t rows = 0;         // allgather: dim-0 size of this rank's tensor (may differ)
+  uint64_t rowElems = 0;     // allgather, alltoall: elements per dim-0 row (must match); else 0
+  uint64_t rows = 0;         // allgather, alltoall: dim-0 size of this rank's tensor (may differ);
+                             // allreduce_many: the number of tensors
+  uint64_t shapesHash = 0;   // allreduce_many: hash of every tensor's shape, in order
+  double prescale = 1.0;     // allreduce, reduce_scatter, allreduce_many: factor before the sum
+  double postscale = 1.0;    // ... and after it
   int64_t dims[kMaxDims] = {};  // the tensor's shape (see kMaxDims), compared across ranks
   int64_t arenaOffset = -1;  // byte offset of the tensor in this rank's shm arena, -1 if none
   uint8_t kind = 0;          // OpKind
@@ -78,7 +86,7 @@ struct OpHeader {
   uint8_t op = 0;            // ReduceOp (allreduce, reduce_scatter)
   uint8_t onGpu = 0;         // 1: the NCCL path moves the data; the engine only compares
   uint8_t ndim = 0;          // the tensor's number of dims (0: a scalar, or no tensor)
-  int32_t root = -1;         // broadcast source rank
+  int32_t root = -1;         // broadcast, reduce, gather, scatter: the root rank
 
   // Fills ndim and dims from a tensor's sizes.
   void setShape(const int64_t* sizes, int n);

@@ -19,11 +19,25 @@ DType toDType(at::ScalarType type) {
     case at::kByte: return DType::U8;
     case at::kInt: return DType::I32;
     case at::kLong: return DType::I64;
+    case at::kShort: return DType::I16;
     case at::kBool: return DType::BOOL;
     default:
       throw std::invalid_argument(std::string("torchring does not support dtype ") +
                                   c10::toString(type));
   }
+}
+
+std::string tensorText(const at::Tensor& tensor) {
+  std::string text = dtypeName(toDType(tensor.scalar_type()));
+  text += "[";
+  for (int64_t d = 0; d < tensor.dim(); ++d) text += (d ? ", " : "") + std::to_string(tensor.size(d));
+  return text + "]";
+}
+
+int64_t rowsOf(int64_t rows, int size, int rank) { return rows / size + (rank < rows % size ? 1 : 0); }
+
+int64_t firstRowOf(int64_t rows, int size, int rank) {
+  return rank * (rows / size) + std::min<int64_t>(rank, rows % size);
 }
 
 Communicator::Communicator(CommOptions options)
@@ -76,6 +90,16 @@ Communicator::Communicator(CommOptions options)
     to.timeoutSec = opt_.timeoutSec;
     tcp_ = std::make_unique<TcpRing>(to);
   }
+  if (opt_.size > 1) {
+    P2POptions po;
+    po.rank = opt_.rank;
+    po.size = opt_.size;
+    po.rankHost = rankHost_;
+    po.rankLocal = rankLocal_;
+    po.timeoutSec = opt_.timeoutSec;
+    po.secret = opt_.secret;
+    p2p_ = std::make_unique<P2P>(po, shm_.get());
+  }
 }
 
 Communicator::~Communicator() { shutdown(); }
@@ -99,8 +123,15 @@ void Communicator::connectRing(const std::string& rightAddr, int rightPort) {
 }
 
 
+int Communicator::listenP2P(const std::string& bindAddr) { return p2p_ ? p2p_->listen(bindAddr) : -1; }
+
+void Communicator::setP2PPeers(std::vector<std::string> addrs, std::vector<int> ports) {
+  if (p2p_) p2p_->setPeers(std::move(addrs), std::move(ports));
+}
+
 void Communicator::start() {
   if (tcp_ && shm_) tcp_->setOnProgress([this] { shm_->heartbeat(); });
+  if (p2p_) p2p_->setOnFailure([this](const std::string& message) { onP2PFailure(message); });
   worker_ = std::thread([this] { workerLoop(); });
 }
 
@@ -182,6 +213,7 @@ void Communicator::shutdown() {
       new (&worker_) std::thread();
       (void)tcp_.release();
       (void)shm_.release();
+      (void)p2p_.release();
     }
     return;
   }
@@ -200,9 +232,11 @@ void Communicator::shutdown() {
     // now instead of after the timeout, and wait for it before tearing the transports down.
     if (shm_) shm_->abort("rank " + std::to_string(opt_.rank) + " called torchring.shutdown() during a collective");
     if (tcp_) tcp_->interrupt();
+    if (p2p_) p2p_->shutdown();  // its pending transfers fail: a collective waiting on them returns
     std::unique_lock<std::mutex> lock(mutex_);
     cv_.wait(lock, [&] { return !busy_; });
   }
+  if (p2p_) p2p_->shutdown();
   for (auto& op : dropped) {
     op.work->finish({}, std::make_exception_ptr(TorchringError(
                             rankText() + ": " + op.header.label() +
@@ -213,16 +247,35 @@ void Communicator::shutdown() {
   if (shm_) shm_->unlinkOwn();
 }
 
-OpHeader Communicator::makeHeader(OpKind kind, const at::Tensor& tensor, ReduceOp op, int root) const {
+OpHeader Communicator::makeHeader(OpKind kind, const at::Tensor& tensor, ReduceOp op, int root,
+                                  const OpArgs* args) const {
   OpHeader header;
   header.kind = static_cast<uint8_t>(kind);
   header.op = static_cast<uint8_t>(op);
   header.root = root;
+  if (args != nullptr) {
+    header.prescale = args->prescale;
+    header.postscale = args->postscale;
+  }
+  if (kind == OpKind::ALLREDUCE_MANY && args != nullptr) {
+    uint64_t hash = 1469598103934665603ull;  // FNV-1a over every tensor's rank and dims
+    for (const auto& t : args->tensors) {
+      header.count += static_cast<uint64_t>(t.numel());
+      hash = (hash ^ static_cast<uint64_t>(t.dim())) * 1099511628211ull;
+      for (int64_t d : t.sizes()) hash = (hash ^ static_cast<uint64_t>(d)) * 1099511628211ull;
+    }
+    header.rows = args->tensors.size();
+    header.shapesHash = hash;
+    header.dtype = static_cast<uint8_t>(toDType(args->tensors[0].scalar_type()));
+    const int64_t total = static_cast<int64_t>(header.count);
+    header.setShape(&total, 1);
+    return header;
+  }
   if (!tensor.defined()) return header;
   header.dtype = static_cast<uint8_t>(toDType(tensor.scalar_type()));
   header.count = static_cast<uint64_t>(tensor.numel());
   header.setShape(tensor.sizes().data(), static_cast<int>(tensor.dim()));
-  if (kind == OpKind::ALLGATHER) {
+  if (kind == OpKind::ALLGATHER || kind == OpKind::ALLTOALL) {
     header.rows = tensor.dim() > 0 ? static_cast<uint64_t>(tensor.size(0)) : 1;
     header.rowElems = 1;
     for (int d = 1; d < tensor.dim(); ++d) header.rowElems *= static_cast<uint64_t>(tensor.size(d));
@@ -234,19 +287,52 @@ OpHeader Communicator::makeHeader(OpKind kind, const at::Tensor& tensor, ReduceO
 }
 
 std::shared_ptr<CpuWork> Communicator::submit(OpKind kind, at::Tensor tensor, ReduceOp op, int root,
-                                           bool runInline) {
-  // The Python API checked these for its callers; the engine is bound directly too (tests).
-  TORCH_CHECK_VALUE(kind == OpKind::BARRIER || tensor.defined(), rankText(), ": ", kindName(kind),
-                    " needs a tensor");
-  TORCH_CHECK_VALUE(kind != OpKind::BROADCAST || (root >= 0 && root < opt_.size), rankText(),
-                    ": broadcast root must be a rank in [0, ", opt_.size, "), got ", root);
-  TORCH_CHECK_VALUE(kind != OpKind::REDUCE_SCATTER || (tensor.dim() > 0 && tensor.size(0) % opt_.size == 0),
-                    rankText(), ": reduce_scatter: dim 0 of ", tensor.sizes(), " must be divisible by the world size ",
-                    opt_.size);
+                                           bool runInline, OpArgs args) {
+  checkArgs(kind, tensor, root, args);
   Op item;
-  item.header = makeHeader(kind, tensor, op, root);
+  item.header = makeHeader(kind, tensor, op, root, &args);
   item.tensor = std::move(tensor);
+  item.args = std::move(args);
   return enqueue(std::move(item), runInline);
+}
+
+std::shared_ptr<CpuWork> Communicator::send(at::Tensor tensor, int peer, int64_t tag) {
+  checkPeer(tensor, peer, tag, "send");
+  const auto* data = static_cast<const char*>(tensor.data_ptr());
+  return p2p_->send(peer, tag, data, tensor.nbytes(), tensorText(tensor), tensor);
+}
+
+std::shared_ptr<CpuWork> Communicator::recv(at::Tensor tensor, int peer, int64_t tag) {
+  checkPeer(tensor, peer, tag, "recv");
+  auto* data = static_cast<char*>(tensor.data_ptr());
+  return p2p_->recv(peer, tag, data, tensor.nbytes(), tensorText(tensor), tensor);
+}
+
+void Communicator::checkPeer(const at::Tensor& tensor, int peer, int64_t tag, const char* what) const {
+  TORCH_CHECK_VALUE(tensor.defined() && tensor.device().is_cpu() && tensor.is_contiguous(), rankText(), ": ",
+                    what, " needs a contiguous CPU tensor");
+  (void)toDType(tensor.scalar_type());
+  TORCH_CHECK_VALUE(peer >= 0 && peer < opt_.size && peer != opt_.rank, rankText(), ": ", what, " of ",
+                    tensorText(tensor), ": the peer must be another rank in [0, ", opt_.size, "), got ", peer);
+  TORCH_CHECK_VALUE(tag >= 0, rankText(), ": ", what, " of ", tensorText(tensor), ": tag must be >= 0, got ", tag);
+  if (forkGeneration() != forkGeneration_) {
+    throw TorchringError(rankText() + ": " + what + " called in a forked child process (pid " +
+                         std::to_string(getpid()) + "): run it in the process that called torchring.init()");
+  }
+}
+
+void Communicator::onP2PFailure(const std::string& message) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (failure_.empty()) failure_ = message + "; " + kRecoveryHint;
+  }
+  if (shm_) shm_->abort(message);
+  if (tcp_) tcp_->interrupt();
+  if (board_.post) {
+    auto post = board_.post;
+    const int rank = opt_.rank;
+    withDeadline([post, rank, message] { post(rank, message); return std::string(); }, 1.0, "");
+  }
 }
 
 std::shared_ptr<CpuWork> Communicator::submitCheck(OpKind kind, const at::Tensor& like, ReduceOp op,
@@ -344,6 +430,7 @@ void Communicator::execute(Op& op) {
     }
     if (shm_) shm_->abort(failure);
     if (tcp_) tcp_->close();
+    if (p2p_) p2p_->fail(failure);
     if (board_.post) {  // tell the others why, without waiting long on the store
       auto post = board_.post;
       const int rank = opt_.rank;
@@ -352,6 +439,7 @@ void Communicator::execute(Op& op) {
     error = std::make_exception_ptr(CommFailedError(failure + "; " + kRecoveryHint));
   }
   op.tensor = at::Tensor();
+  op.args = OpArgs();
   op.work->finish(std::move(result), error);
 }
 
@@ -372,10 +460,31 @@ at::Tensor Communicator::run(Op& op) {
   switch (static_cast<OpKind>(header.kind)) {
     case OpKind::REDUCE_SCATTER:
       result = reduceScatter(op.tensor, header, headers);
+      if (op.args.out.defined()) result = op.args.out.copy_(result);
       break;
     case OpKind::ALLREDUCE:
+      if (header.prescale != 1.0) scaleInPlace(data, header.count, static_cast<DType>(header.dtype), header.prescale);
       allreduce(data, header, headers);
       break;
+    case OpKind::REDUCE:
+      result = reduce(op, headers);
+      break;
+    case OpKind::GATHER:
+      result = gather(op);
+      break;
+    case OpKind::SCATTER:
+      result = scatter(op);
+      break;
+    case OpKind::ALLTOALL:
+      result = alltoall(op);
+      break;
+    case OpKind::ALLREDUCE_MANY:
+      allreduceMany(op, headers);
+      result = at::Tensor();
+      break;
+    case OpKind::SEND:
+    case OpKind::RECV:
+      TORCH_INTERNAL_ASSERT(false, "point-to-point operations are not queued");
     case OpKind::BROADCAST:
       broadcast(data, op.tensor.nbytes(), header.root);
       break;

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "common.h"
+#include "p2p.h"
 #include "shm/group.h"
 #include "tcp.h"
 #include "work.h"
@@ -58,6 +59,16 @@ struct FailureBoard {
   std::function<std::string(int rank)> read;  // "" when the rank posted nothing
 };
 
+// What some collectives take besides the tensor (communicator.cpp's submit() checks them).
+struct OpArgs {
+  at::Tensor out;                  // reduce_scatter, alltoall: write the result here
+  std::vector<at::Tensor> tensors;  // allreduce_many: the tensors; scatter: [the root's chunks]
+  double prescale = 1.0, postscale = 1.0;  // allreduce, reduce_scatter, allreduce_many
+  at::Tensor sendSplits;           // alltoall: int64[size], rows for each rank
+  at::Tensor recvSplits;           // alltoall: int64[size], rows from each rank (filled or checked)
+  bool recvSplitsKnown = false;    // alltoall: recvSplits holds what this rank expects
+};
+
 class Communicator : public std::enable_shared_from_this<Communicator> {
  public:
   explicit Communicator(CommOptions options);
@@ -78,7 +89,13 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // order, which must be the same on every rank. With runInline, an idle communicator runs
   // it on the calling thread (no hand-off latency) and the handle is complete on return.
   std::shared_ptr<CpuWork> submit(OpKind kind, at::Tensor tensor, ReduceOp op, int root,
-                               bool runInline);
+                               bool runInline, OpArgs args = {});
+  // Point-to-point (p2p.h): not part of the ordered queue; ranks and tags as the caller gives.
+  std::shared_ptr<CpuWork> send(at::Tensor tensor, int peer, int64_t tag);
+  std::shared_ptr<CpuWork> recv(at::Tensor tensor, int peer, int64_t tag);
+  // Bootstrap of point-to-point between hosts (every rank, when numHosts() > 1).
+  int listenP2P(const std::string& bindAddr);
+  void setP2PPeers(std::vector<std::string> addrs, std::vector<int> ports);
   // For a collective that NCCL runs on the CUDA tensor `like`: queues an operation that only
   // exchanges and compares its header (kind, dtype, count, op, root, shape) with the other
   // ranks, in order with every other operation. Its handle fails, on every rank, when ranks
@@ -98,9 +115,14 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   struct Op {
     OpHeader header;
     at::Tensor tensor;
+    OpArgs args;
     std::shared_ptr<CpuWork> work;
   };
-  OpHeader makeHeader(OpKind kind, const at::Tensor& tensor, ReduceOp op, int root) const;
+  void checkArgs(OpKind kind, const at::Tensor& tensor, int root, const OpArgs& args) const;
+  void checkPeer(const at::Tensor& tensor, int peer, int64_t tag, const char* what) const;
+  void onP2PFailure(const std::string& message);
+  OpHeader makeHeader(OpKind kind, const at::Tensor& tensor, ReduceOp op, int root,
+                      const OpArgs* args = nullptr) const;
   std::shared_ptr<CpuWork> enqueue(Op item, bool runInline);
   void workerLoop();
   // Runs `op` with busy_ set (the one operation in flight); `lock` holds mutex_ on entry and
@@ -115,6 +137,14 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   at::Tensor allgather(const at::Tensor& input, const std::vector<OpHeader>& headers);
   at::Tensor reduceScatter(const at::Tensor& input, const OpHeader& header,
                            const std::vector<OpHeader>& headers);
+  // rooted.cpp: the collectives added on top of the above and of point-to-point transfers.
+  at::Tensor reduce(Op& op, const std::vector<OpHeader>& headers);
+  at::Tensor gather(Op& op);
+  at::Tensor scatter(Op& op);
+  at::Tensor alltoall(Op& op);
+  void allreduceMany(Op& op, const std::vector<OpHeader>& headers);
+  // Waits for point-to-point transfers a collective posted (rethrows the first failure).
+  static void waitAll(const std::vector<std::shared_ptr<CpuWork>>& works);
   std::string failedMessage(const OpHeader& header) const;
   std::string rankText() const { return "rank " + std::to_string(opt_.rank); }
   std::string explainPeer(int peer, const std::string& message);
@@ -125,6 +155,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   std::vector<int> rankHost_, rankLocal_;
   std::unique_ptr<ShmGroup> shm_;
   std::unique_ptr<TcpRing> tcp_;
+  std::unique_ptr<P2P> p2p_;
   FailureBoard board_;
 
   std::mutex mutex_;
@@ -137,5 +168,10 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
 };
 
 DType toDType(at::ScalarType type);
+// "float32[10, 4]": a tensor as messages name it (Python's torchring._types.describe).
+std::string tensorText(const at::Tensor& tensor);
+// Rows of an uneven reduce_scatter: rank r gets rows/size rows, one more when r < rows % size.
+int64_t rowsOf(int64_t rows, int size, int rank);
+int64_t firstRowOf(int64_t rows, int size, int rank);
 
 }  // namespace torchring

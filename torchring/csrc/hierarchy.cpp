@@ -14,7 +14,8 @@ void Communicator::allreduce(char* data, const OpHeader& header,
                              const std::vector<OpHeader>& headers) {
   const auto dtype = static_cast<DType>(header.dtype);
   auto op = static_cast<ReduceOp>(header.op);
-  const double scale = op == ReduceOp::AVG ? 1.0 / opt_.size : 1.0;
+  // AVG's 1/size and the caller's postscale are applied once, to the full-precision sum.
+  const double scale = (op == ReduceOp::AVG ? 1.0 / opt_.size : 1.0) * header.postscale;
   if (op == ReduceOp::AVG) op = ReduceOp::SUM;
   const size_t count = header.count;
   if (numHosts() == 1) {
@@ -35,26 +36,36 @@ void Communicator::allreduce(char* data, const OpHeader& header,
   if (shm_) shm_->broadcast(data, count * elementSize(dtype), 0);
 }
 
-// This rank's rows [rank*m, (rank+1)*m) of the reduction, m = dim 0 / size, as a new tensor;
-// `input` is left alone. One host: the shared-memory reduce-scatter, which moves a block per
-// rank instead of the whole tensor. Otherwise an allreduce of a copy, keeping this rank's rows.
+// This rank's rows of the reduction as a new tensor, `input` left alone: rank r gets
+// rowsOf(D, size, r) rows starting at firstRowOf(D, size, r) of dim 0 (D), so when D is not
+// a multiple of the size the first D % size ranks get one row more. One host and D a
+// multiple: the shared-memory reduce-scatter, which moves a block per rank instead of the
+// whole tensor. Otherwise an allreduce of a copy, keeping this rank's rows. The prescale
+// multiplies a copy of the input; AVG's 1/size and the postscale go to the sum.
 at::Tensor Communicator::reduceScatter(const at::Tensor& input, const OpHeader& header,
                                        const std::vector<OpHeader>& headers) {
-  const int64_t rows = input.size(0) / opt_.size;
+  const int64_t total = input.size(0);
+  const int64_t rows = rowsOf(total, opt_.size, opt_.rank);
+  const auto dtype = static_cast<DType>(header.dtype);
   std::vector<int64_t> sizes = input.sizes().vec();
   sizes[0] = rows;
-  if (numHosts() == 1 && shm_) {
+  if (numHosts() == 1 && shm_ && total % opt_.size == 0) {
     at::Tensor out = at::empty(sizes, input.options());
+    at::Tensor src = input;
+    if (header.prescale != 1.0) {
+      src = input.clone();
+      scaleInPlace(src.data_ptr(), header.count, dtype, header.prescale);
+    }
     auto op = static_cast<ReduceOp>(header.op);
-    const double scale = op == ReduceOp::AVG ? 1.0 / opt_.size : 1.0;
-    shm_->reduceScatter(static_cast<const char*>(input.data_ptr()), static_cast<char*>(out.data_ptr()),
-                        header.count, static_cast<DType>(header.dtype),
-                        op == ReduceOp::AVG ? ReduceOp::SUM : op, scale);
+    const double scale = (op == ReduceOp::AVG ? 1.0 / opt_.size : 1.0) * header.postscale;
+    shm_->reduceScatter(static_cast<const char*>(src.data_ptr()), static_cast<char*>(out.data_ptr()),
+                        header.count, dtype, op == ReduceOp::AVG ? ReduceOp::SUM : op, scale);
     return out;
   }
   at::Tensor full = input.clone();
+  if (header.prescale != 1.0) scaleInPlace(full.data_ptr(), header.count, dtype, header.prescale);
   allreduce(static_cast<char*>(full.data_ptr()), header, headers);
-  return full.narrow(0, opt_.rank * rows, rows).clone();
+  return full.narrow(0, firstRowOf(total, opt_.size, opt_.rank), rows).clone();
 }
 
 // Broadcast: first within the root's host, then among leaders, then within other hosts.

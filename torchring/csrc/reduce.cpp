@@ -204,6 +204,7 @@ void reduceInto(void* dst, void* dst2, const void* const* srcs, int nsrc, size_t
     case DType::I8: return reduceTyped<int8_t>(dst, dst2, srcs, nsrc, count, op, 1.0);
     case DType::U8:
     case DType::BOOL: return reduceTyped<uint8_t>(dst, dst2, srcs, nsrc, count, op, 1.0);
+    case DType::I16: return reduceTyped<int16_t>(dst, dst2, srcs, nsrc, count, op, 1.0);
     case DType::I32: return reduceTyped<int32_t>(dst, dst2, srcs, nsrc, count, op, 1.0);
     case DType::I64: return reduceTyped<int64_t>(dst, dst2, srcs, nsrc, count, op, 1.0);
   }

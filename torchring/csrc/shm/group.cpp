@@ -39,7 +39,8 @@ ShmGroup::ShmGroup(ShmOptions options) : opt_(std::move(options)) {
   tableBytes_ = roundUp(2 * opt_.worldSize * sizeof(OpHeader), kPage);
   stagingOffset_ = controlBytes_ + tableBytes_;
   opt_.segmentBytes = roundUp(std::max<size_t>(opt_.segmentBytes, kPage), 64);
-  arenaOffset_ = roundUp(stagingOffset_ + 2 * opt_.segmentBytes, kPage);
+  p2pOffset_ = roundUp(stagingOffset_ + 2 * opt_.segmentBytes, kPage);
+  arenaOffset_ = p2pOffset_ + opt_.localRanks.size() * kP2PRingBytes;
   mappings_.resize(opt_.localRanks.size());
 }
 
@@ -146,6 +147,10 @@ OpHeader* ShmGroup::table(int index, uint64_t seq) const {
 
 char* ShmGroup::staging(int index, int buffer) const {
   return mappings_[index]->base + stagingOffset_ + buffer * opt_.segmentBytes;
+}
+
+char* ShmGroup::p2pRing(int owner, int writer) const {
+  return mappings_[owner]->base + p2pOffset_ + static_cast<size_t>(writer) * kP2PRingBytes;
 }
 
 int64_t ShmGroup::arenaOffsetOf(const void* ptr, size_t bytes) const {

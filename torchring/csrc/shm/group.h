@@ -34,7 +34,7 @@ struct ShmOptions {
   static constexpr size_t kDefaultOneShotBytes = 128 << 10;
 };
 
-// Each rank owns one region: [control | header tables | 2 staging buffers | arena]
+// Each rank owns one region: [control | header tables | 2 staging buffers | p2p rings | arena]
 // (region.h). Peers map every region of the group, so a rank reads its peers' staging
 // buffers and arena tensors directly. Progress is tracked by one monotonically increasing
 // `stamp` per rank: a rank bumps its stamp when it finishes a phase (arrive) and waits until
@@ -84,6 +84,11 @@ class ShmGroup {
   // chunks[i] = (offset into out, bytes) of local rank i's chunk; src is this rank's chunk.
   void allgather(const char* src, char* out, const std::vector<std::pair<size_t, size_t>>& chunks);
 
+  // Point-to-point mailboxes (p2p.h): the ring of kP2PRingBytes in local rank `owner`'s
+  // region that local rank `writer` writes into and `owner` reads from.
+  char* p2pRing(int owner, int writer) const;
+  static constexpr size_t kP2PRingBytes = 256 << 10;
+
   // The zero-copy arena of this rank (tensors allocated there keep it mapped).
   std::shared_ptr<Arena> arena() const { return arena_; }
   // Offset of [ptr, ptr+bytes) in this rank's arena, or -1 if it lies outside.
@@ -107,7 +112,7 @@ class ShmGroup {
                          const std::vector<OpHeader>& headers);
 
   ShmOptions opt_;
-  size_t controlBytes_ = 0, tableBytes_ = 0, stagingOffset_ = 0, arenaOffset_ = 0;
+  size_t controlBytes_ = 0, tableBytes_ = 0, stagingOffset_ = 0, p2pOffset_ = 0, arenaOffset_ = 0;
   std::vector<std::shared_ptr<Mapping>> mappings_;
   std::string ownName_;
   bool unlinked_ = true;

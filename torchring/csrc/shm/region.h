@@ -1,11 +1,12 @@
 // What one rank's shared-memory region holds, and the constants its layout uses. Private to
 // the shm/*.cpp files: nothing outside the shared-memory transport reads a region directly.
 //
-// A region is [control | header tables | staging buffers | arena], each part starting on a
-// page boundary: the control block below; two header tables of worldSize OpHeaders (one per
-// parity of the operation's seq); two staging buffers of segmentBytes each, back to back
-// (segments alternate between them, see allreduce.cpp); the arena (arena.h), committed
-// page by page on use.
+// A region is [control | header tables | staging buffers | p2p rings | arena], each part
+// starting on a page boundary: the control block below; two header tables of worldSize
+// OpHeaders (one per parity of the operation's seq); two staging buffers of segmentBytes
+// each, back to back (segments alternate between them, see allreduce.cpp); one
+// point-to-point ring per local rank that writes to this one (p2p.h); the arena (arena.h),
+// committed page by page on use.
 #pragma once
 
 #include <atomic>

@@ -1,0 +1,569 @@
+// Point-to-point messages: matching, the send/ACK protocol and the progress thread (p2p.h
+// explains the design; p2p_stream.cpp holds the streams).
+//
+// The progress thread owns every Link. Each turn it adopts newly posted operations, accepts
+// peers' connections, writes each link's queue of frames (outq) and reads its incoming
+// stream. Reading a DATA frame: the header names (tag, id, bytes); the payload goes straight
+// into the first posted recv of that tag (link.target), or into a new stash entry when no
+// recv waits for it; once complete the recv is finished and an ACK queued. A recv posted
+// later takes the oldest unclaimed stash entry of its tag (waiting for it to complete if it
+// is still arriving). When nothing moves it sleeps in ppoll() on the sockets and an
+// eventfd that posting threads write: briefly while a shared-memory transfer is pending
+// (rings have no file descriptor), long otherwise.
+#include "p2p.h"
+
+#include <poll.h>
+#include <sched.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "shm/group.h"
+
+namespace torchring {
+
+namespace {
+constexpr uint32_t kFrameMagic = 0x70327074;  // "tp2p"
+constexpr uint32_t kData = 1, kAck = 2;
+}  // namespace
+
+struct P2P::Frame {
+  uint32_t magic = kFrameMagic;
+  uint32_t type = kData;
+  int64_t tag = 0;
+  uint64_t id = 0;     // DATA: the message's number on this stream; ACK: the message answered
+  uint64_t bytes = 0;  // DATA: payload bytes; ACK: the bytes the receiver's recv expected
+  uint32_t ok = 1;     // ACK: 1 the recv took the message, 0 its size differed
+  char what[28] = {};  // DATA: the sender's description; ACK: the receiver's
+};
+// Both ends read exactly this many bytes as a header.
+constexpr size_t kFrameBytes = 64;
+
+struct P2P::Pending {
+  bool isSend = false;
+  int peer = 0;
+  int64_t tag = 0;
+  char* data = nullptr;
+  size_t bytes = 0;
+  std::string what;
+  at::Tensor keep;
+  std::shared_ptr<CpuWork> work;
+  uint64_t id = 0;  // a send's message number
+  Clock::time_point last;  // last progress, for the timeout
+};
+
+struct P2P::OutItem {
+  Frame frame;
+  const char* payload = nullptr;
+  size_t total = 0, offset = 0;  // frame + payload bytes, and how many were written
+  std::shared_ptr<Pending> send;  // null for an ACK
+};
+
+struct P2P::Stashed {
+  Frame frame;
+  std::vector<char> payload;
+  bool complete = false;
+  std::shared_ptr<Pending> waiter;  // a recv that claimed it while it was still arriving
+};
+
+struct P2P::Link {
+  std::unique_ptr<OutStream> out;
+  std::unique_ptr<InStream> in;
+  bool shm = false;
+  std::deque<OutItem> outq;
+  std::map<uint64_t, std::shared_ptr<Pending>> awaitingAck;
+  uint64_t nextId = 0;
+  std::deque<std::shared_ptr<Pending>> posted;   // recvs with no message yet, oldest first
+  std::deque<std::unique_ptr<Stashed>> stash;    // messages with no recv yet, oldest first
+  // The incoming frame being read.
+  Frame frame;
+  size_t frameGot = 0;
+  bool inPayload = false, discarding = false;
+  char* dest = nullptr;
+  size_t left = 0;
+  std::shared_ptr<Pending> target;  // the recv being filled, or null
+  Stashed* stashTarget = nullptr;   // or the stash entry
+  std::vector<char> scratch;        // where a discarded payload goes
+};
+
+P2P::P2P(P2POptions options, ShmGroup* shm) : opt_(std::move(options)), shm_(shm) {
+  static_assert(sizeof(Frame) == kFrameBytes, "a frame header is 64 bytes");
+  links_.resize(opt_.size);
+  wakeFd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+}
+
+P2P::~P2P() { shutdown(); }
+
+int P2P::listen(const std::string& bindAddr) {
+  int port = -1;
+  listenFd_ = p2pstream::tcpListen(bindAddr, opt_.rank, &port);
+  return port;
+}
+
+void P2P::setPeers(std::vector<std::string> addrs, std::vector<int> ports) {
+  addrs_ = std::move(addrs);
+  ports_ = std::move(ports);
+}
+
+std::shared_ptr<CpuWork> P2P::send(int peer, int64_t tag, const char* data, size_t bytes,
+                                   const std::string& what, at::Tensor keep) {
+  return post(true, peer, tag, const_cast<char*>(data), bytes, what, std::move(keep));
+}
+
+std::shared_ptr<CpuWork> P2P::recv(int peer, int64_t tag, char* data, size_t bytes, const std::string& what,
+                                   at::Tensor keep) {
+  return post(false, peer, tag, data, bytes, what, std::move(keep));
+}
+
+std::shared_ptr<CpuWork> P2P::post(bool isSend, int peer, int64_t tag, char* data, size_t bytes,
+                                   const std::string& what, at::Tensor keep) {
+  auto op = std::make_shared<Pending>();
+  op->isSend = isSend;
+  op->peer = peer;
+  op->tag = tag;
+  op->data = data;
+  op->bytes = bytes;
+  op->what = what;
+  op->keep = std::move(keep);
+  std::unique_lock<std::mutex> lock(mutex_);
+  op->work = std::make_shared<CpuWork>(isSend ? OpKind::SEND : OpKind::RECV, nextSeq_++, opt_.rank);
+  auto work = op->work;
+  if (!failure_.empty() || stopping_) {
+    std::exception_ptr error =
+        stopping_ ? std::make_exception_ptr(TorchringError(rankText() + ": " + describe(*op) +
+                                                           ": torchring was shut down; call torchring.init() first"))
+                  : std::make_exception_ptr(CommFailedError(rankText() + ": " + describe(*op) +
+                                                            " was not run because the communicator failed earlier: " +
+                                                            failure_ + "; " + kRecoveryHint));
+    lock.unlock();
+    work->finish({}, error);
+    return work;
+  }
+  incoming_.push_back(std::move(op));
+  if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
+  lock.unlock();
+  uint64_t one = 1;
+  (void)!::write(wakeFd_, &one, sizeof(one));
+  return work;
+}
+
+std::string P2P::describe(const Pending& op) const {
+  if (op.tag < 0) {  // a collective's transfer: `what` names the collective
+    return op.what + (op.isSend ? ", its transfer to rank " : ", its transfer from rank ") + std::to_string(op.peer);
+  }
+  return std::string(op.isSend ? "send to rank " : "recv from rank ") + std::to_string(op.peer) + " (tag " +
+         std::to_string(op.tag) + ", " + op.what + ")";
+}
+
+namespace {
+void finishOk(const std::shared_ptr<CpuWork>& work, const at::Tensor& result) { work->finish(result, nullptr); }
+}  // namespace
+
+void P2P::adopt(std::shared_ptr<Pending> op) {
+  auto& slot = links_[op->peer];
+  if (!slot) {
+    slot = std::make_unique<Link>();
+    if (sameHost(op->peer)) {  // rings in the receiver's region: theirs for sending, ours for receiving
+      const int me = opt_.rankLocal[opt_.rank], them = opt_.rankLocal[op->peer];
+      slot->shm = true;
+      slot->out = p2pstream::shmOut(shm_->p2pRing(them, me));
+      slot->in = p2pstream::shmIn(shm_->p2pRing(me, them), "rank " + std::to_string(op->peer));
+    }
+  }
+  Link& link = *slot;
+  ++active_;
+  op->last = Clock::now();
+  if (op->isSend) {
+    op->id = link.nextId++;
+    OutItem item;
+    item.frame.tag = op->tag;
+    item.frame.id = op->id;
+    item.frame.bytes = op->bytes;
+    std::strncpy(item.frame.what, op->what.c_str(), sizeof(item.frame.what) - 1);
+    item.payload = op->data;
+    item.total = sizeof(Frame) + op->bytes;
+    item.send = std::move(op);
+    link.outq.push_back(std::move(item));
+    return;
+  }
+  for (auto& stashed : link.stash) {  // the oldest unclaimed message of this tag
+    if (stashed->waiter || stashed->frame.tag != op->tag) continue;
+    stashed->waiter = op;
+    if (stashed->complete) deliver(op->peer, link, *stashed, op);
+    return;
+  }
+  link.posted.push_back(std::move(op));
+}
+
+OutStream& P2P::outStream(int peer, Link& link) {
+  if (!link.out) {
+    if (addrs_.size() != static_cast<size_t>(opt_.size) || addrs_[peer].empty()) {
+      throw CommFailedError(rankText() + ": no address for rank " + std::to_string(peer) +
+                            " on another host: the communicator was not wired for point-to-point messages");
+    }
+    int fd = p2pstream::tcpConnect(addrs_[peer], ports_[peer], opt_.rank, peer, opt_.secret, opt_.timeoutSec);
+    link.out = p2pstream::tcpOut(fd, "rank " + std::to_string(peer) + " (" + addrs_[peer] + ":" +
+                                         std::to_string(ports_[peer]) + ")");
+  }
+  return *link.out;
+}
+
+bool P2P::pumpOut(int peer, Link& link) {
+  bool moved = false;
+  while (!link.outq.empty()) {
+    OutItem& item = link.outq.front();
+    OutStream& out = outStream(peer, link);
+    size_t n;
+    if (item.offset < sizeof(Frame)) {
+      n = out.write(reinterpret_cast<const char*>(&item.frame) + item.offset, sizeof(Frame) - item.offset);
+    } else {
+      n = out.write(item.payload + (item.offset - sizeof(Frame)), item.total - item.offset);
+    }
+    if (n == 0) break;
+    moved = true;
+    item.offset += n;
+    if (item.send) item.send->last = Clock::now();
+    if (item.offset == item.total) {
+      if (item.send) link.awaitingAck[item.frame.id] = item.send;
+      link.outq.pop_front();
+    }
+  }
+  return moved;
+}
+
+bool P2P::pumpIn(int peer, Link& link) {
+  if (!link.in) return false;
+  bool moved = false;
+  for (;;) {
+    if (!link.inPayload) {
+      size_t n = link.in->read(reinterpret_cast<char*>(&link.frame) + link.frameGot, sizeof(Frame) - link.frameGot);
+      if (n == 0) return moved;
+      moved = true;
+      link.frameGot += n;
+      if (link.frameGot < sizeof(Frame)) continue;
+      link.frameGot = 0;
+      onHeader(peer, link);
+      if (!link.inPayload) continue;  // an ACK
+    }
+    if (link.left > 0) {
+      size_t want = link.discarding ? std::min(link.left, link.scratch.size()) : link.left;
+      size_t n = link.in->read(link.discarding ? link.scratch.data() : link.dest, want);
+      if (n == 0) return moved;
+      moved = true;
+      if (!link.discarding) link.dest += n;
+      link.left -= n;
+      if (link.target) link.target->last = Clock::now();
+      if (link.left > 0) continue;
+    }
+    link.inPayload = false;
+    onPayloadDone(peer, link);
+  }
+}
+
+namespace {
+std::string sizeText(const std::string& what, uint64_t bytes) {
+  return what + " (" + std::to_string(bytes) + " bytes)";
+}
+}  // namespace
+
+void P2P::onHeader(int peer, Link& link) {
+  const Frame& f = link.frame;
+  if (f.magic != kFrameMagic) {
+    throw CommFailedError("the stream from rank " + std::to_string(peer) +
+                          " carried bytes that are not a torchring message (a corrupted stream)");
+  }
+  if (f.type == kAck) {
+    auto it = link.awaitingAck.find(f.id);
+    if (it == link.awaitingAck.end()) {
+      throw CommFailedError("rank " + std::to_string(peer) + " acknowledged a message this rank never sent");
+    }
+    auto op = it->second;
+    link.awaitingAck.erase(it);
+    --active_;
+    if (f.ok) {
+      finishOk(op->work, {});
+    } else {
+      std::string theirs(f.what, strnlen(f.what, sizeof(f.what)));
+      op->work->finish({}, std::make_exception_ptr(MismatchError(
+                               rankText() + ": " + describe(*op) + " is " + std::to_string(op->bytes) +
+                               " bytes but rank " + std::to_string(peer) + "'s matching recv expected " +
+                               sizeText(theirs, f.bytes) +
+                               "; a send and its recv (same peers, same tag, in order) must have the same size. "
+                               "The message was dropped on both ranks; the communicator stays usable")));
+    }
+    return;
+  }
+  link.inPayload = true;
+  link.left = f.bytes;
+  std::shared_ptr<Pending> recv;
+  for (auto it = link.posted.begin(); it != link.posted.end(); ++it) {
+    if ((*it)->tag == f.tag) {
+      recv = *it;
+      link.posted.erase(it);
+      break;
+    }
+  }
+  if (!recv) {
+    auto stashed = std::make_unique<Stashed>();
+    stashed->frame = f;
+    stashed->payload.resize(f.bytes);
+    link.dest = stashed->payload.data();
+    link.stashTarget = stashed.get();
+    link.stash.push_back(std::move(stashed));
+    return;
+  }
+  if (recv->bytes == f.bytes) {
+    link.target = recv;
+    link.dest = recv->data;
+    return;
+  }
+  link.discarding = true;  // a size mismatch: drop the payload, fail both sides
+  link.scratch.resize(64 << 10);
+  Stashed dropped;
+  dropped.frame = f;
+  dropped.complete = true;
+  deliver(peer, link, dropped, recv);
+}
+
+void P2P::onPayloadDone(int peer, Link& link) {
+  link.discarding = false;
+  if (link.target) {
+    auto recv = std::move(link.target);
+    link.target = nullptr;
+    ack(link, link.frame.id, true, recv.get());
+    --active_;
+    finishOk(recv->work, recv->keep);
+  } else if (link.stashTarget) {
+    Stashed* stashed = link.stashTarget;
+    link.stashTarget = nullptr;
+    stashed->complete = true;
+    if (stashed->waiter) deliver(peer, link, *stashed, stashed->waiter);
+  }
+}
+
+// Hands a complete message to `recv` (or fails both sides when the sizes differ) and, when
+// it came from the stash, removes it there.
+void P2P::deliver(int peer, Link& link, Stashed& stashed, const std::shared_ptr<Pending>& recv) {
+  auto keepRecv = recv;  // `recv` may be stashed.waiter, released below
+  const Frame& f = stashed.frame;
+  const bool ok = f.bytes == keepRecv->bytes;
+  if (ok && f.bytes > 0 && !stashed.payload.empty()) std::memcpy(keepRecv->data, stashed.payload.data(), f.bytes);
+  ack(link, f.id, ok, keepRecv.get());
+  --active_;
+  const uint64_t sentBytes = f.bytes;
+  const std::string sentWhat(f.what, strnlen(f.what, sizeof(f.what)));
+  auto it = std::find_if(link.stash.begin(), link.stash.end(), [&](const auto& s) { return s.get() == &stashed; });
+  if (it != link.stash.end()) link.stash.erase(it);
+  if (ok) {
+    finishOk(keepRecv->work, keepRecv->keep);
+    return;
+  }
+  keepRecv->work->finish({}, std::make_exception_ptr(MismatchError(
+                                  rankText() + ": " + describe(*keepRecv) + " is " +
+                                 std::to_string(keepRecv->bytes) + " bytes but rank " + std::to_string(peer) +
+                                 " sent " + sizeText(sentWhat, sentBytes) +
+                                 "; a send and its recv (same peers, same tag, in order) must have the same size. "
+                                 "The message was dropped on both ranks; the communicator stays usable")));
+}
+
+void P2P::ack(Link& link, uint64_t id, bool ok, const Pending* recv) {
+  OutItem item;
+  item.frame.type = kAck;
+  item.frame.tag = recv->tag;
+  item.frame.id = id;
+  item.frame.bytes = recv->bytes;
+  item.frame.ok = ok ? 1 : 0;
+  std::strncpy(item.frame.what, recv->what.c_str(), sizeof(item.frame.what) - 1);
+  item.total = sizeof(Frame);
+  link.outq.push_back(std::move(item));
+}
+
+bool P2P::acceptPeers() {
+  if (listenFd_ < 0) return false;
+  bool any = false;
+  for (;;) {
+    int from = -1;
+    int fd = p2pstream::tcpAccept(listenFd_, opt_.rank, opt_.size, opt_.secret, &from);
+    if (fd < 0) return any;
+    auto& slot = links_[from];
+    if (!slot) slot = std::make_unique<Link>();
+    if (slot->in || sameHost(from)) {
+      warn(rankText() + ": refused a second point-to-point connection from rank " + std::to_string(from));
+      ::close(fd);
+      continue;
+    }
+    slot->in = p2pstream::tcpIn(fd, "rank " + std::to_string(from));
+    any = true;
+  }
+}
+
+// An operation that made no progress for the timeout fails the communicator, naming it.
+void P2P::checkDeadlines() {
+  const double limit = opt_.timeoutSec;
+  auto late = [&](const std::shared_ptr<Pending>& op) { return op && secondsSince(op->last) > limit; };
+  const std::string within = " within " + std::to_string(static_cast<int>(limit)) + " s";
+  for (int peer = 0; peer < opt_.size; ++peer) {
+    if (!links_[peer]) continue;
+    Link& link = *links_[peer];
+    const std::string p = "rank " + std::to_string(peer);
+    for (auto& item : link.outq) {
+      if (late(item.send)) {
+        failAll(rankText() + ": " + describe(*item.send) + " could not be delivered" + within + ": " + p +
+                    " is not reading its messages (stuck in a long computation, or dead)",
+                true, false);
+        return;
+      }
+    }
+    for (auto& [id, op] : link.awaitingAck) {
+      if (late(op)) {
+        failAll(rankText() + ": " + describe(*op) + " was not received" + within + ": " + p +
+                    (op->tag >= 0 ? " posted no matching recv(src=" + std::to_string(opt_.rank) + ", tag=" +
+                                        std::to_string(op->tag) + ")"
+                                  : " did not run that collective") +
+                    ", or it is stuck or dead",
+                true, false);
+        return;
+      }
+    }
+    std::vector<std::shared_ptr<Pending>> recvs(link.posted.begin(), link.posted.end());
+    for (auto& s : link.stash) recvs.push_back(s->waiter);
+    recvs.push_back(link.target);
+    for (auto& op : recvs) {
+      if (late(op)) {
+        failAll(rankText() + ": " + describe(*op) + " got no message" + within + ": " + p +
+                    (op->tag >= 0 ? " sent nothing with tag " + std::to_string(op->tag)
+                                  : " did not run that collective") +
+                    ", or it is stuck or dead",
+                true, false);
+        return;
+      }
+    }
+  }
+}
+
+void P2P::failAll(const std::string& message, bool notify, bool shuttingDown) {
+  std::vector<std::shared_ptr<Pending>> ops;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (failure_.empty() && !shuttingDown) failure_ = message;
+    ops.assign(incoming_.begin(), incoming_.end());
+    incoming_.clear();
+  }
+  for (auto& slot : links_) {
+    if (!slot) continue;
+    for (auto& item : slot->outq) ops.push_back(item.send);
+    for (auto& [id, op] : slot->awaitingAck) ops.push_back(op);
+    for (auto& op : slot->posted) ops.push_back(op);
+    for (auto& s : slot->stash) ops.push_back(s->waiter);
+    ops.push_back(slot->target);
+    slot.reset();  // its streams are mid-frame now: nothing more goes over them
+  }
+  active_ = 0;
+  for (auto& op : ops) {
+    if (!op || op->work->isCompleted()) continue;
+    std::exception_ptr error =
+        shuttingDown ? std::make_exception_ptr(TorchringError(
+                           rankText() + ": " + describe(*op) +
+                           " was not completed: torchring.shutdown() (or the group's destroy()) was called first"))
+                     : std::make_exception_ptr(CommFailedError(message + "; " + kRecoveryHint));
+    op->work->finish({}, error);
+  }
+  if (notify && onFailure_) onFailure_(message);
+}
+
+void P2P::fail(const std::string& message) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!failure_.empty()) return;
+    failure_ = message;
+  }
+  uint64_t one = 1;
+  (void)!::write(wakeFd_, &one, sizeof(one));
+}
+
+void P2P::loop() {
+  int idle = 0;
+  auto lastCheck = Clock::now();
+  std::vector<pollfd> fds;
+  for (;;) {
+    std::deque<std::shared_ptr<Pending>> fresh;
+    std::string failure;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (stopping_) return;
+      fresh.swap(incoming_);
+      failure = failure_;
+    }
+    if (!failure.empty()) {  // failed elsewhere (or by us): nothing more moves
+      {  // failAll() fails them with the rest
+        std::lock_guard<std::mutex> lock(mutex_);
+        for (auto& op : fresh) incoming_.push_back(op);
+      }
+      failAll(failure, false, false);
+      fresh.clear();
+    }
+    bool moved = !fresh.empty();
+    try {
+      for (auto& op : fresh) adopt(op);
+      moved |= acceptPeers();
+      for (int peer = 0; peer < opt_.size; ++peer) {
+        if (links_[peer]) moved |= pumpOut(peer, *links_[peer]);
+        if (links_[peer]) moved |= pumpIn(peer, *links_[peer]);
+      }
+      if (secondsSince(lastCheck) > 0.05) {
+        lastCheck = Clock::now();
+        if (active_ > 0) checkDeadlines();
+      }
+    } catch (const std::exception& e) {
+      std::string what = e.what();
+      failAll(what.rfind("rank ", 0) == 0 ? what : rankText() + ": " + what, true, false);
+    }
+    if (moved) {
+      idle = 0;
+      continue;
+    }
+    bool shmBusy = false;
+    fds.clear();
+    fds.push_back({wakeFd_, POLLIN, 0});
+    if (listenFd_ >= 0) fds.push_back({listenFd_, POLLIN, 0});
+    for (auto& slot : links_) {
+      if (!slot) continue;
+      if (slot->shm) {
+        shmBusy |= active_ > 0 && (!slot->outq.empty() || !slot->awaitingAck.empty() || !slot->posted.empty() ||
+                                   !slot->stash.empty() || slot->inPayload);
+        continue;
+      }
+      if (slot->in) fds.push_back({slot->in->fd(), POLLIN, 0});
+      if (slot->out && !slot->outq.empty()) fds.push_back({slot->out->fd(), POLLOUT, 0});
+    }
+    if (shmBusy && ++idle < 200) {
+      sched_yield();
+      continue;
+    }
+    timespec wait{0, shmBusy ? 50000L : (active_ > 0 ? 20000000L : 200000000L)};
+    if (ppoll(fds.data(), fds.size(), &wait, nullptr) > 0 && (fds[0].revents & POLLIN)) {
+      uint64_t drained;
+      (void)!::read(wakeFd_, &drained, sizeof(drained));
+    }
+  }
+}
+
+void P2P::shutdown() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stopping_ && !thread_.joinable()) return;
+    stopping_ = true;
+  }
+  uint64_t one = 1;
+  if (wakeFd_ >= 0) (void)!::write(wakeFd_, &one, sizeof(one));
+  if (thread_.joinable()) thread_.join();
+  failAll("", false, true);
+  for (int* fd : {&listenFd_, &wakeFd_}) {
+    if (*fd >= 0) ::close(*fd);
+    *fd = -1;
+  }
+}
+
+}  // namespace torchring
