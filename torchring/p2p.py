@@ -23,8 +23,8 @@ __all__ = ["send", "recv", "isend", "irecv"]
 
 
 def _check_tag(tag: Any, what: str, tg: Target) -> int:
-    if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag < 2**31:
-        raise ValueError(f"{tg.where(what)}: tag must be an integer in [0, 2**31), got {tag!r}")
+    if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag < 2**63:
+        raise ValueError(f"{tg.where(what)}: tag must be an integer in [0, 2**63), got {tag!r}")
     return tag
 
 

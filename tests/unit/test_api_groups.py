@@ -13,9 +13,6 @@ from _fake_world import PREFIX, FakeWorld
 from torchring import CommunicatorFailedError, _context
 from torchring._types import OpKind
 
-# Until the engine with the new op kinds lands on main (issue #12), these wait for it.
-pytestmark = pytest.mark.skipif(not hasattr(OpKind, "ALLTOALL"), reason="the engine's new op kinds are not in _types yet")
-
 
 def _published(w: FakeWorld, gid: int, rank: int) -> list[int]:
     return json.loads(w.store.get(f"{PREFIX}group/{gid}/ranks/{rank}"))

@@ -14,9 +14,6 @@ from _fake_world import FakeWorld
 from torchring import CollectiveMismatchError, ReduceOp
 from torchring._types import OpKind
 
-# Until the engine with the new op kinds lands on main (issue #12), these wait for it.
-pytestmark = pytest.mark.skipif(not hasattr(OpKind, "ALLTOALL"), reason="the engine's new op kinds are not in _types yet")
-
 
 def _world(monkeypatch: pytest.MonkeyPatch, rank: int = 1, size: int = 3) -> FakeWorld:
     return FakeWorld(monkeypatch, rank=rank, size=size)
