@@ -233,8 +233,28 @@ bool P2P::pumpOut(int peer, Link& link) {
   return moved;
 }
 
+bool P2P::hasPending(const Link& link) const {
+  if (!link.outq.empty() || !link.awaitingAck.empty() || !link.posted.empty() || link.target) return true;
+  return std::any_of(link.stash.begin(), link.stash.end(), [](const auto& s) { return s->waiter != nullptr; });
+}
+
+// A peer's connection that closed is a failure only while something waits on that peer; a
+// peer that shut down after its last message to us just leaves.
 bool P2P::pumpIn(int peer, Link& link) {
   if (!link.in) return false;
+  bool moved = pumpFrames(peer, link);
+  std::string closed = link.in->closed();
+  if (closed.empty()) return moved;
+  if (hasPending(link)) throw CommFailedError(closed);
+  link.in.reset();
+  link.inPayload = false;
+  link.frameGot = 0;
+  link.stashTarget = nullptr;
+  if (!link.stash.empty() && !link.stash.back()->complete) link.stash.pop_back();  // cut short
+  return true;
+}
+
+bool P2P::pumpFrames(int peer, Link& link) {
   bool moved = false;
   for (;;) {
     if (!link.inPayload) {
@@ -427,6 +447,13 @@ void P2P::checkDeadlines() {
         return;
       }
     }
+    if (link.shm && hasPending(link)) {  // a dead local peer or an aborted host: at once
+      std::string trouble = shm_->peerTrouble(opt_.rankLocal[peer]);
+      if (!trouble.empty()) {
+        failAll(rankText() + ": point-to-point transfers with " + p + " failed: " + trouble, true, false);
+        return;
+      }
+    }
     std::vector<std::shared_ptr<Pending>> recvs(link.posted.begin(), link.posted.end());
     for (auto& s : link.stash) recvs.push_back(s->waiter);
     recvs.push_back(link.target);
@@ -519,6 +546,7 @@ void P2P::loop() {
     } catch (const std::exception& e) {
       std::string what = e.what();
       failAll(what.rfind("rank ", 0) == 0 ? what : rankText() + ": " + what, true, false);
+      continue;
     }
     if (moved) {
       idle = 0;
@@ -536,17 +564,39 @@ void P2P::loop() {
         continue;
       }
       if (slot->in) fds.push_back({slot->in->fd(), POLLIN, 0});
-      if (slot->out && !slot->outq.empty()) fds.push_back({slot->out->fd(), POLLOUT, 0});
+      if (slot->out) fds.push_back({slot->out->fd(), static_cast<short>(POLLRDHUP | (slot->outq.empty() ? 0 : POLLOUT)), 0});
     }
     if (shmBusy && ++idle < 200) {
       sched_yield();
       continue;
     }
     timespec wait{0, shmBusy ? 50000L : (active_ > 0 ? 20000000L : 200000000L)};
-    if (ppoll(fds.data(), fds.size(), &wait, nullptr) > 0 && (fds[0].revents & POLLIN)) {
-      uint64_t drained;
-      (void)!::read(wakeFd_, &drained, sizeof(drained));
+    if (ppoll(fds.data(), fds.size(), &wait, nullptr) > 0) {
+      if (fds[0].revents & POLLIN) {
+        uint64_t drained;
+        (void)!::read(wakeFd_, &drained, sizeof(drained));
+      }
+      checkPeers(fds);
     }
+  }
+}
+
+// A connection this rank sends on never carries data back, so a peer that died (or shut
+// down) shows as a hang-up there: a failure while a message to it is pending, else the
+// stream is dropped (a later message reconnects, and fails to if the peer is gone).
+void P2P::checkPeers(const std::vector<pollfd>& fds) {
+  for (int peer = 0; peer < opt_.size; ++peer) {
+    auto& slot = links_[peer];
+    if (!slot || slot->shm || !slot->out) continue;
+    auto it = std::find_if(fds.begin(), fds.end(), [&](const pollfd& p) { return p.fd == slot->out->fd(); });
+    if (it == fds.end() || !(it->revents & (POLLRDHUP | POLLHUP | POLLERR))) continue;
+    const std::string why = rankText() + ": the connection to rank " + std::to_string(peer) +
+                            " closed: it died or shut down";
+    if (!slot->outq.empty() || !slot->awaitingAck.empty()) {
+      failAll(why, true, false);
+      return;
+    }
+    slot->out.reset();
   }
 }
 

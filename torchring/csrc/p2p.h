@@ -21,6 +21,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <poll.h>
 
 #include <condition_variable>
 #include <deque>
@@ -57,9 +58,10 @@ class OutStream {
 class InStream {
  public:
   virtual ~InStream() = default;
-  // Reads up to `bytes`, returns how many were read (0: nothing yet); throws
-  // CommFailedError when the peer closed the stream.
+  // Reads up to `bytes`, returns how many were read (0: nothing yet, or closed()).
   virtual size_t read(char* data, size_t bytes) = 0;
+  // Why the peer's end is gone ("" while it is open): then nothing more will arrive.
+  virtual std::string closed() const { return ""; }
   virtual int fd() const { return -1; }
 };
 
@@ -119,11 +121,14 @@ class P2P {
   void adopt(std::shared_ptr<Pending> op);
   bool pumpOut(int peer, Link& link);
   bool pumpIn(int peer, Link& link);
+  bool pumpFrames(int peer, Link& link);
   void onHeader(int peer, Link& link);
   void onPayloadDone(int peer, Link& link);
   void deliver(int peer, Link& link, Stashed& stashed, const std::shared_ptr<Pending>& recv);
   void ack(Link& link, uint64_t id, bool ok, const Pending* recv);
   bool acceptPeers();
+  bool hasPending(const Link& link) const;
+  void checkPeers(const std::vector<pollfd>& fds);
   void checkDeadlines();
   void failAll(const std::string& message, bool notify, bool shuttingDown);
   OutStream& outStream(int peer, Link& link);

@@ -100,18 +100,21 @@ class TcpIn : public InStream {
   TcpIn(int fd, std::string peer) : fd_(fd), peer_(std::move(peer)) {}
   ~TcpIn() override { ::close(fd_); }
   size_t read(char* dst, size_t bytes) override {
+    if (!closed_.empty()) return 0;
     ssize_t r = ::recv(fd_, dst, bytes, MSG_DONTWAIT);
     if (r > 0) return static_cast<size_t>(r);
     if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return 0;
-    throw CommFailedError("the connection from " + peer_ + " closed" +
-                          (r < 0 ? std::string(" (") + std::strerror(errno) + ")" : std::string()) +
-                          ": it died or shut down");
+    closed_ = "the connection from " + peer_ + " closed" +
+              (r < 0 ? std::string(" (") + std::strerror(errno) + ")" : std::string()) + ": it died or shut down";
+    return 0;
   }
+  std::string closed() const override { return closed_; }
   int fd() const override { return fd_; }
 
  private:
   int fd_;
   std::string peer_;
+  std::string closed_;
 };
 
 constexpr char kMagic[8] = {'T', 'R', 'P', '2', 'P', '0', '0', '1'};

@@ -94,6 +94,10 @@ class ShmGroup {
   // Offset of [ptr, ptr+bytes) in this rank's arena, or -1 if it lies outside.
   int64_t arenaOffsetOf(const void* ptr, size_t bytes) const;
 
+  // "" while local rank `index` lives and the group was not aborted; else what went wrong
+  // (for waits outside these collectives: point-to-point transfers).
+  std::string peerTrouble(int index) const;
+
   // Marks the group failed with `message` and wakes every waiter (first caller wins).
   void abort(const std::string& message);
 

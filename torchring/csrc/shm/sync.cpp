@@ -141,6 +141,19 @@ void ShmGroup::failWaiting(int index, const char* why) const {
   throw CommFailedError(msg.str());
 }
 
+std::string ShmGroup::peerTrouble(int index) const {
+  Control* leader = control(0);
+  if (leader->abortState.load(std::memory_order_acquire) == 2) {
+    return std::string("another rank failed: ") + leader->abortMessage;
+  }
+  Control* peer = control(index);
+  const uint64_t ns = control(opt_.localIndex)->pidNamespace;
+  if (ns != 0 && peer->pidNamespace == ns && !processAlive(peer->pid)) {
+    return "rank " + std::to_string(peer->rank) + " (pid " + std::to_string(peer->pid) + ", same host) died";
+  }
+  return "";
+}
+
 void ShmGroup::abort(const std::string& message) {
   if (mappings_.empty() || !mappings_[0]) return;
   for (auto& m : mappings_) {
