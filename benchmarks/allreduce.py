@@ -180,14 +180,19 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, queue
         raise
 
 
-def run_world(world: int, args: argparse.Namespace, on_row: Callable[[dict], None]) -> None:
-    """Spawn one world, host its store like the torchrun agent, hand rank 0's rows to on_row."""
+def run_world(world: int, args: argparse.Namespace, on_row: Callable[[dict], None],
+              target: Callable[..., None] | None = None) -> None:
+    """Spawn one world, host its store like the torchrun agent, hand rank 0's rows to on_row.
+
+    Each rank runs target(rank, world, store_port, args, queue) (default: this script's ranks),
+    which puts ("row", dict), then ("done", None) from rank 0, or ("error", text) on any rank."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, store.port, args, queue)) for r in range(world)]
+    target = target or _rank_main
+    procs = [ctx.Process(target=target, args=(r, world, store.port, args, queue)) for r in range(world)]
     for p in procs:
         p.start()
     try:
