@@ -353,6 +353,7 @@ void P2P::onPayloadDone(int peer, Link& link) {
     auto recv = std::move(link.target);
     link.target = nullptr;
     ack(link, link.frame.id, true, recv.get());
+    pumpOut(peer, link);  // the ACK leaves before the caller learns: it may shut down next
     --active_;
     finishOk(recv->work, recv->keep);
   } else if (link.stashTarget) {
@@ -371,6 +372,7 @@ void P2P::deliver(int peer, Link& link, Stashed& stashed, const std::shared_ptr<
   const bool ok = f.bytes == keepRecv->bytes;
   if (ok && f.bytes > 0 && !stashed.payload.empty()) std::memcpy(keepRecv->data, stashed.payload.data(), f.bytes);
   ack(link, f.id, ok, keepRecv.get());
+  pumpOut(peer, link);  // the ACK leaves before the caller learns: it may shut down next
   --active_;
   const uint64_t sentBytes = f.bytes;
   const std::string sentWhat(f.what, strnlen(f.what, sizeof(f.what)));
@@ -397,7 +399,12 @@ void P2P::ack(Link& link, uint64_t id, bool ok, const Pending* recv) {
   item.frame.ok = ok ? 1 : 0;
   std::strncpy(item.frame.what, recv->what.c_str(), sizeof(item.frame.what) - 1);
   item.total = sizeof(Frame);
-  link.outq.push_back(std::move(item));
+  // Ahead of messages not started yet (behind the one being written and earlier ACKs): a
+  // long message must not delay the answer a peer waits for.
+  auto at = link.outq.begin();
+  if (at != link.outq.end() && at->offset > 0) ++at;
+  while (at != link.outq.end() && !at->send) ++at;
+  link.outq.insert(at, std::move(item));
 }
 
 bool P2P::acceptPeers() {
@@ -600,6 +607,38 @@ void P2P::checkPeers(const std::vector<pollfd>& fds) {
   }
 }
 
+// At shutdown: ACKs still queued (a stream was full when the recv completed) go out for up
+// to a second over streams already open, so a peer's last send does not fail for want of them.
+void P2P::flushAcks() {
+  const auto start = Clock::now();
+  for (;;) {
+    bool waiting = false;
+    for (int peer = 0; peer < opt_.size; ++peer) {
+      auto& slot = links_[peer];
+      if (!slot || !slot->out) continue;
+      // Messages not started yet are dropped (their sends fail below); the rest is finished.
+      auto& q = slot->outq;
+      auto unstarted = std::stable_partition(q.begin() + (q.empty() || q.front().offset == 0 ? 0 : 1), q.end(),
+                                             [](const OutItem& item) { return item.send == nullptr; });
+      for (auto it = unstarted; it != q.end(); ++it) {
+        it->send->work->finish({}, std::make_exception_ptr(TorchringError(
+                                       rankText() + ": " + describe(*it->send) +
+                                       " was not sent: torchring.shutdown() (or the group's destroy()) was called first")));
+      }
+      q.erase(unstarted, q.end());
+      if (q.empty()) continue;
+      try {
+        pumpOut(peer, *slot);
+      } catch (const std::exception&) {
+        q.clear();  // the peer is gone: nobody to tell
+      }
+      waiting |= !q.empty();
+    }
+    if (!waiting || secondsSince(start) > 1.0) return;
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+}
+
 void P2P::shutdown() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -609,6 +648,7 @@ void P2P::shutdown() {
   uint64_t one = 1;
   if (wakeFd_ >= 0) (void)!::write(wakeFd_, &one, sizeof(one));
   if (thread_.joinable()) thread_.join();
+  flushAcks();
   failAll("", false, true);
   for (int* fd : {&listenFd_, &wakeFd_}) {
     if (*fd >= 0) ::close(*fd);

@@ -130,6 +130,7 @@ class P2P {
   bool hasPending(const Link& link) const;
   void checkPeers(const std::vector<pollfd>& fds);
   void checkDeadlines();
+  void flushAcks();
   void failAll(const std::string& message, bool notify, bool shuttingDown);
   OutStream& outStream(int peer, Link& link);
   std::string rankText() const { return "rank " + std::to_string(opt_.rank); }
