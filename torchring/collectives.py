@@ -164,13 +164,19 @@ def _staged(kind: OpKind, t: torch.Tensor, op: int, root: int, inline: bool, wha
     return Handle(_submit(kind, host, op, root, inline, what, tg, **kw), back)
 
 
+def nccl_runs(kind: OpKind, dtype: torch.dtype, is_world: bool, extra: bool) -> bool:
+    """True when the NCCL path (once chosen) runs this CUDA collective: the world's four NCCL
+    kinds without extra arguments (factors, out=, uneven rows), in a dtype NCCL has (not int16)."""
+    return is_world and kind in _NCCL_KINDS and not extra and dtype != torch.int16
+
+
 def _run(kind: OpKind, t: torch.Tensor, op: int, root: int, inline: bool, what: str, tg: Target,
          nccl: bool = True, **kw: Any) -> Handle:
     """Starts a checked tensor's collective on the path for its device (the NCCL path only
     for `nccl` calls of the world's four NCCL kinds without extra keywords)."""
     if not t.is_cuda:
         return Handle(_submit(kind, t, op, root, inline, what, tg, **kw))
-    if nccl and _gpu_path.path() == "nccl" and tg.is_world and kind in _NCCL_KINDS and not kw:
+    if nccl and _gpu_path.path() == "nccl" and nccl_runs(kind, t.dtype, tg.is_world, bool(kw)):
         return _nccl(kind, t, op, root, what)
     return _staged(kind, t, op, root, inline, what, tg, **kw)
 

@@ -119,3 +119,13 @@ def test_staged_allgather_returns_a_new_tensor(engine: _Engine) -> None:
     t = torch.ones(2, 2)
     out = collectives._staged(OpKind.ALLGATHER, t, 0, -1, True, "allgather").wait()
     assert out is not t and out.tolist() == [[10, 10], [10, 10]] and t.tolist() == [[1, 1], [1, 1]]
+
+
+def test_nccl_runs_what_nccl_has_and_stages_the_rest() -> None:
+    for kind in (OpKind.ALLREDUCE, OpKind.BROADCAST, OpKind.ALLGATHER, OpKind.REDUCE_SCATTER):
+        assert collectives.nccl_runs(kind, torch.float32, True, False)
+        assert not collectives.nccl_runs(kind, torch.int16, True, False), "NCCL has no int16"
+        assert not collectives.nccl_runs(kind, torch.float32, False, False), "groups are staged"
+        assert not collectives.nccl_runs(kind, torch.float32, True, True), "factors, out=: staged"
+    for kind in (OpKind.REDUCE, OpKind.GATHER, OpKind.SCATTER, OpKind.ALLTOALL, OpKind.ALLREDUCE_MANY):
+        assert not collectives.nccl_runs(kind, torch.float32, True, False)
