@@ -44,6 +44,24 @@ def main() -> None:
     torchring.allreduce(bucket, torchring.ReduceOp.AVG)
     assert bool((bucket == 1.0).all())
 
+    # 7. groups: a communicator over some ranks (every rank calls new_group with the same list);
+    # ranks passed to a group's methods are group ranks.
+    evens = torchring.new_group(range(0, world, 2))
+    if evens.is_member:
+        total = evens.allreduce(torch.tensor([rank]))
+        assert total.item() == sum(range(0, world, 2))
+
+    # 8. alltoall: rank r sends rows to every rank (here r + 1 rows to each); each gets its rows.
+    out, received = torchring.alltoall(torch.full(((rank + 1) * world,), rank), splits=[rank + 1] * world)
+    assert received.tolist() == [r + 1 for r in range(world)] and out.numel() == sum(received.tolist())
+
+    # 9. point-to-point: pass a token around the ring (isend/irecv cannot deadlock each other).
+    token = torch.zeros(1, dtype=torch.int64)
+    receiving = torchring.irecv(token, (rank - 1) % world) if world > 1 else None
+    if world > 1:
+        torchring.isend(torch.tensor([rank]), (rank + 1) % world).wait()
+        assert receiving.wait().item() == (rank - 1) % world
+
     torchring.barrier()
     if rank == 0:
         print(f"world {world} over {torchring.transport()}: all checks passed")
