@@ -77,3 +77,26 @@ def submit(comm: Any, kind: OpKind, t: torch.Tensor | None, op: int = 0, root: i
            inline: bool = True) -> Any:
     """Queues one collective; returns its Work."""
     return comm.submit(int(kind), t, int(op), root, inline)
+
+
+def submit_op(comm: Any, kind: OpKind, t: torch.Tensor | None, op: ReduceOp = ReduceOp.SUM,
+              root: int = -1, inline: bool = True, **options: Any) -> Any:
+    """Queues one collective with issue #12's keyword options (out=, tensors=, splits, scales)."""
+    return comm.submit(int(kind), t, int(op), root, inline, **options)
+
+
+# (modulus, offset) per dtype: integers every dtype holds exactly (bfloat16: |x| <= 256).
+_PAYLOAD_RANGE = {torch.uint8: (256, 0), torch.int8: (255, 127), torch.bfloat16: (255, 127),
+                  torch.float16: (4001, 2000), torch.int16: (60001, 30000)}
+
+
+def payload(key: int, numel: int, dtype: torch.dtype, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """A message's content: exact integers of `dtype`, a different sequence for every `key`."""
+    i = torch.arange(numel, dtype=torch.int64)
+    h = i * 7 + (i >> 6) * 3 + key * 1009
+    if dtype == torch.bool:
+        x = (h % 5) < 2
+    else:
+        mod, off = _PAYLOAD_RANGE.get(dtype, (1_000_003, 500_000))
+        x = h % mod - off
+    return x.to(dtype).reshape(shape if shape is not None else (numel,))
