@@ -62,11 +62,16 @@ def test_rows_of_matches_tensor_split(rows: int, size: int) -> None:
         assert part.tolist() == list(range(first, first + n))
 
 
-def test_split_counts_equal_blocks_need_divisibility() -> None:
+def test_split_counts_equal_blocks() -> None:
     assert split_counts(None, 12, 3, "w") == [4, 4, 4]
     assert split_counts(None, 0, 4, "w") == [0, 0, 0, 0]
-    with pytest.raises(ValueError, match=r"^w: dim 0 \(10 rows\) is not divisible by the group size 4"):
-        split_counts(None, 10, 4, "w")
+    # Not divisible: blocks that miss rows, which the engine fails on every rank (tests/engine).
+    assert split_counts(None, 10, 4, "w") == [2, 2, 2, 2]
+
+
+def test_split_counts_leave_sums_and_signs_to_the_engine() -> None:
+    assert split_counts([4, -1, 0], 3, 3, "w") == [4, -1, 0]
+    assert split_counts([1, 1, 1], 4, 3, "w") == [1, 1, 1]
 
 
 def test_split_counts_take_lists_tuples_and_integer_tensors() -> None:
@@ -78,8 +83,6 @@ def test_split_counts_take_lists_tuples_and_integer_tensors() -> None:
 
 @pytest.mark.parametrize("splits, rows, error, words", [
     ([1, 2], 3, ValueError, r"splits \[1, 2\] has 2 entries; expected 3"),
-    ([4, -1, 0], 3, ValueError, r"splits \[4, -1, 0\] holds -1"),
-    ([1, 1, 1], 4, ValueError, r"splits \[1, 1, 1\] sum to 3, but dim 0 has 4 rows"),
     ([1, 1.5, 1], 3, TypeError, "1.5"),
     ([1, True, 1], 3, TypeError, "True"),
     (torch.tensor([1.0, 1.0, 1.0]), 3, TypeError, r"float32\[3\]"),

@@ -72,6 +72,8 @@ struct P2P::Link {
   std::unique_ptr<OutStream> out;
   std::unique_ptr<InStream> in;
   bool shm = false;
+  bool hungUp = false;  // the connection this rank sent on was closed by the peer
+  Clock::time_point hungUpAt;
   std::deque<OutItem> outq;
   std::map<uint64_t, std::shared_ptr<Pending>> awaitingAck;
   uint64_t nextId = 0;
@@ -198,6 +200,10 @@ void P2P::adopt(std::shared_ptr<Pending> op) {
 }
 
 OutStream& P2P::outStream(int peer, Link& link) {
+  if (!link.out && link.hungUp) {
+    throw CommFailedError(rankText() + ": the connection to rank " + std::to_string(peer) +
+                          " closed: it died or shut down");
+  }
   if (!link.out) {
     if (addrs_.size() != static_cast<size_t>(opt_.size) || addrs_[peer].empty()) {
       throw CommFailedError(rankText() + ": no address for rank " + std::to_string(peer) +
@@ -430,7 +436,9 @@ bool P2P::acceptPeers() {
 void P2P::checkDeadlines() {
   const double limit = opt_.timeoutSec;
   auto late = [&](const std::shared_ptr<Pending>& op) { return op && secondsSince(op->last) > limit; };
-  const std::string within = " within " + std::to_string(static_cast<int>(limit)) + " s";
+  char seconds[32];
+  std::snprintf(seconds, sizeof(seconds), "%g", limit);
+  const std::string within = std::string(" within ") + seconds + " s";
   for (int peer = 0; peer < opt_.size; ++peer) {
     if (!links_[peer]) continue;
     Link& link = *links_[peer];
@@ -453,6 +461,12 @@ void P2P::checkDeadlines() {
                 true, false);
         return;
       }
+    }
+    if (link.hungUp && hasPending(link) && secondsSince(link.hungUpAt) > 1.0) {
+      failAll(rankText() + ": point-to-point transfers with " + p + " failed: the connection to " + p +
+                  " closed (it died or shut down) before they completed",
+              true, false);
+      return;
     }
     if (link.shm && hasPending(link)) {  // a dead local peer or an aborted host: at once
       std::string trouble = shm_->peerTrouble(opt_.rankLocal[peer]);
@@ -495,6 +509,9 @@ void P2P::failAll(const std::string& message, bool notify, bool shuttingDown) {
     slot.reset();  // its streams are mid-frame now: nothing more goes over them
   }
   active_ = 0;
+  // The communicator records the failure before any caller wakes up, so the caller's next
+  // operation already sees it.
+  if (notify && onFailure_) onFailure_(message);
   for (auto& op : ops) {
     if (!op || op->work->isCompleted()) continue;
     std::exception_ptr error =
@@ -504,7 +521,6 @@ void P2P::failAll(const std::string& message, bool notify, bool shuttingDown) {
                      : std::make_exception_ptr(CommFailedError(message + "; " + kRecoveryHint));
     op->work->finish({}, error);
   }
-  if (notify && onFailure_) onFailure_(message);
 }
 
 void P2P::fail(const std::string& message) {
@@ -588,22 +604,19 @@ void P2P::loop() {
   }
 }
 
-// A connection this rank sends on never carries data back, so a peer that died (or shut
-// down) shows as a hang-up there: a failure while a message to it is pending, else the
-// stream is dropped (a later message reconnects, and fails to if the peer is gone).
+// A connection this rank sends on never carries data back, so a peer that died or shut down
+// shows as a hang-up there. Its ACKs travel on the other connection and may still be on
+// their way, so the stream is only dropped here; messages still pending with that peer fail
+// a second later (checkDeadlines), and a later send to it fails instead of reconnecting.
 void P2P::checkPeers(const std::vector<pollfd>& fds) {
   for (int peer = 0; peer < opt_.size; ++peer) {
     auto& slot = links_[peer];
     if (!slot || slot->shm || !slot->out) continue;
     auto it = std::find_if(fds.begin(), fds.end(), [&](const pollfd& p) { return p.fd == slot->out->fd(); });
     if (it == fds.end() || !(it->revents & (POLLRDHUP | POLLHUP | POLLERR))) continue;
-    const std::string why = rankText() + ": the connection to rank " + std::to_string(peer) +
-                            " closed: it died or shut down";
-    if (!slot->outq.empty() || !slot->awaitingAck.empty()) {
-      failAll(why, true, false);
-      return;
-    }
     slot->out.reset();
+    slot->hungUp = true;
+    slot->hungUpAt = Clock::now();
   }
 }
 

@@ -97,27 +97,16 @@ void Communicator::checkArgs(OpKind kind, const at::Tensor& tensor, int root, co
                             splits->is_contiguous() && splits->numel() == opt_.size,
                         what, ": send and receive splits must be int64 CPU tensors of ", opt_.size, " elements");
     }
-    const int64_t* send = args.sendSplits.data_ptr<int64_t>();
-    int64_t sum = 0;
-    for (int r = 0; r < opt_.size; ++r) {
-      TORCH_CHECK_VALUE(send[r] >= 0, what, " of ", tensorText(tensor), ": splits must be >= 0, got ",
-                        args.sendSplits.sizes(), " ", send[r], " for rank ", r);
-      sum += send[r];
-    }
-    TORCH_CHECK_VALUE(sum == tensor.size(0), what, " of ", tensorText(tensor), ": the splits sum to ", sum,
-                      ", not to dim 0 (", tensor.size(0), ")");
     if (args.out.defined()) {
       TORCH_CHECK_VALUE(args.recvSplitsKnown, what, ": an output tensor needs the receive splits");
-      int64_t rows = 0;
-      for (int r = 0; r < opt_.size; ++r) rows += args.recvSplits.data_ptr<int64_t>()[r];
-      std::vector<int64_t> sizes = tensor.sizes().vec();
-      sizes[0] = rows;
-      TORCH_CHECK_VALUE(args.out.sizes().vec() == sizes && args.out.scalar_type() == tensor.scalar_type() &&
-                            args.out.is_contiguous() && args.out.device().is_cpu(),
-                        what, " of ", tensorText(tensor), ": the output must be a contiguous CPU ",
-                        dtypeName(toDType(tensor.scalar_type())), at::IntArrayRef(sizes),
-                        " (the rows the receive splits add up to), got ", tensorText(args.out));
+      TORCH_CHECK_VALUE(args.out.dim() == tensor.dim() && args.out.sizes().slice(1) == tensor.sizes().slice(1) &&
+                            args.out.scalar_type() == tensor.scalar_type() && args.out.is_contiguous() &&
+                            args.out.device().is_cpu(),
+                        what, " of ", tensorText(tensor), ": the output must be a contiguous CPU tensor of its dtype ",
+                        "and row shape, got ", tensorText(args.out));
     }
+    // Whether the splits sum to the rows is checked with every rank's splits (alltoall()), so
+    // that every rank fails alike instead of the others waiting for this one.
   }
 }
 
@@ -173,36 +162,77 @@ at::Tensor Communicator::scatter(Op& op) {
   return t;
 }
 
+namespace {
+
+std::string listText(const int64_t* values, int n) {
+  std::string text = "[";
+  for (int i = 0; i < n; ++i) text += (i ? ", " : "") + std::to_string(values[i]);
+  return text + "]";
+}
+
+}  // namespace
+
 at::Tensor Communicator::alltoall(Op& op) {
   const at::Tensor& t = op.tensor;
   const int n = opt_.size, me = opt_.rank;
-  // Row r of `table`: rank r's send splits, then its expected receive splits (-1: not given).
-  at::Tensor mine = at::empty({2 * n}, at::kLong);
+  // Row r of `table` (w = 2n + 3 int64s): rank r's send splits, its expected receive splits,
+  // its input's rows, its output's rows (-1: no output given), 1 if it gave receive splits.
+  const int w = 2 * n + 3;
+  at::Tensor mine = at::empty({w}, at::kLong);
   int64_t* m = mine.data_ptr<int64_t>();
   const int64_t* recvGiven = op.args.recvSplits.data_ptr<int64_t>();
   for (int r = 0; r < n; ++r) {
     m[r] = op.args.sendSplits.data_ptr<int64_t>()[r];
-    m[n + r] = op.args.recvSplitsKnown ? recvGiven[r] : -1;
+    m[n + r] = op.args.recvSplitsKnown ? recvGiven[r] : 0;
   }
+  m[2 * n] = t.size(0);
+  m[2 * n + 1] = op.args.out.defined() ? op.args.out.size(0) : -1;
+  m[2 * n + 2] = op.args.recvSplitsKnown ? 1 : 0;
   std::vector<OpHeader> splitHeaders(n);
   for (auto& h : splitHeaders) {
-    h.count = 2 * n;
-    h.rows = 2 * n;
+    h.count = w;
+    h.rows = w;
   }
   at::Tensor table = allgather(mine, splitHeaders);
   const int64_t* all = table.data_ptr<int64_t>();
-  auto sends = [&](int from, int to) { return all[from * 2 * n + to]; };
-  for (int to = 0; to < n; ++to) {  // the same check, on the same table, on every rank
+  auto sends = [&](int from, int to) { return all[from * w + to]; };
+  // The same checks, on the same table, on every rank: every rank fails alike.
+  const std::string where = rankText() + ": " + op.header.label() + " " + tensorText(t) + ": ";
+  const std::string after =
+      ". Nothing was sent: this operation failed on every rank and the next collective runs normally";
+  for (int r = 0; r < n; ++r) {
+    const int64_t* row = all + r * w;
+    int64_t sent = 0, expected = 0;
+    bool negative = false, negativeRecv = false;
+    for (int k = 0; k < n; ++k) {
+      sent += row[k];
+      expected += row[n + k];
+      negative |= row[k] < 0;
+      negativeRecv |= row[n + k] < 0;
+    }
+    if (negative || sent != row[2 * n]) {
+      throw MismatchError(where + "rank " + std::to_string(r) + "'s send splits " + listText(row, n) +
+                          (negative ? " hold a negative count" : " sum to " + std::to_string(sent)) + " and its tensor has " +
+                          std::to_string(row[2 * n]) +
+                          " rows (dim 0); splits must be >= 0 and sum to dim 0 (without splits, dim 0 must "
+                          "divide by the group size)" + after);
+    }
+    if (row[2 * n + 2] && (negativeRecv || (row[2 * n + 1] >= 0 && expected != row[2 * n + 1]))) {
+      throw MismatchError(where + "rank " + std::to_string(r) + "'s receive splits " + listText(row + n, n) +
+                          (negativeRecv ? " hold a negative count" : " sum to " + std::to_string(expected)) +
+                          " and its output has " + std::to_string(row[2 * n + 1]) +
+                          " rows; they must be >= 0 and sum to the output's dim 0" + after);
+    }
+  }
+  for (int to = 0; to < n; ++to) {
     for (int from = 0; from < n; ++from) {
-      const int64_t expected = all[to * 2 * n + n + from];
-      if (expected < 0 || expected == sends(from, to)) continue;
-      throw MismatchError(rankText() + ": " + op.header.label() + " " + tensorText(t) + ": rank " +
-                          std::to_string(to) + " expects " + std::to_string(expected) + " rows from rank " +
-                          std::to_string(from) + ", but rank " + std::to_string(from) + " sends it " +
-                          std::to_string(sends(from, to)) +
-                          " (its send splits); every rank's receive splits must equal what the others send it. "
-                          "Nothing was sent: this operation failed on every rank and the next collective runs "
-                          "normally");
+      const int64_t expected = all[to * w + n + from];
+      if (!all[to * w + 2 * n + 2] || expected == sends(from, to)) continue;
+      throw MismatchError(where + "rank " + std::to_string(to) + " expects " + std::to_string(expected) +
+                          " rows from rank " + std::to_string(from) + ", but rank " + std::to_string(from) +
+                          " sends it " + std::to_string(sends(from, to)) +
+                          " (its send splits); every rank's receive splits must equal what the others send it" +
+                          after);
     }
   }
   std::vector<int64_t> recv(n), sendOffset(n + 1, 0), recvOffset(n + 1, 0);
