@@ -98,6 +98,7 @@ Communicator::Communicator(CommOptions options)
     po.rankLocal = rankLocal_;
     po.timeoutSec = opt_.timeoutSec;
     po.secret = opt_.secret;
+    po.spinIters = opt_.spinIters;
     p2p_ = std::make_unique<P2P>(po, shm_.get());
   }
 }

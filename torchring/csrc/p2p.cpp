@@ -7,13 +7,16 @@
 // into the first posted recv of that tag (link.target), or into a new stash entry when no
 // recv waits for it; once complete the recv is finished and an ACK queued. A recv posted
 // later takes the oldest unclaimed stash entry of its tag (waiting for it to complete if it
-// is still arriving). When nothing moves it sleeps in ppoll() on the sockets and an
-// eventfd that posting threads write: briefly while a shared-memory transfer is pending
-// (rings have no file descriptor), long otherwise.
+// is still arriving). A large message arrives as an RTS, matched (or stashed) the same way;
+// the match queues a CTS and files the recv under the message id (link.cleared), the sender
+// then queues the PAYLOAD, which goes straight into that recv. ACKs and CTSs jump ahead of
+// queued messages not yet started. When nothing moves it polls a while (spinIters / 10
+// rounds) if a shared-memory transfer is pending, then sleeps in ppoll() on the sockets and
+// an eventfd that posting threads write: 50 us while shared memory is pending (rings have
+// no file descriptor), up to 200 ms otherwise.
 #include "p2p.h"
 
 #include <poll.h>
-#include <sched.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -26,7 +29,12 @@ namespace torchring {
 
 namespace {
 constexpr uint32_t kFrameMagic = 0x70327074;  // "tp2p"
-constexpr uint32_t kData = 1, kAck = 2;
+// DATA: a small message, payload included. A message above kEagerBytes goes in three steps
+// instead: RTS (its header only), the receiver's CTS once a recv for it is posted, then
+// PAYLOAD; so a large message is never buffered on the receiving side and lands directly in
+// the recv's tensor. ACK answers DATA and PAYLOAD (or an RTS whose recv has another size).
+constexpr uint32_t kData = 1, kAck = 2, kRts = 3, kCts = 4, kPayload = 5;
+constexpr size_t kEagerBytes = 64 << 10;
 }  // namespace
 
 struct P2P::Frame {
@@ -34,7 +42,7 @@ struct P2P::Frame {
   uint32_t type = kData;
   int64_t tag = 0;
   uint64_t id = 0;     // DATA: the message's number on this stream; ACK: the message answered
-  uint64_t bytes = 0;  // DATA: payload bytes; ACK: the bytes the receiver's recv expected
+  uint64_t bytes = 0;  // DATA, RTS, PAYLOAD: message bytes; ACK: the bytes the recv expected
   uint32_t ok = 1;     // ACK: 1 the recv took the message, 0 its size differed
   char what[28] = {};  // DATA: the sender's description; ACK: the receiver's
 };
@@ -76,9 +84,11 @@ struct P2P::Link {
   Clock::time_point hungUpAt;
   std::deque<OutItem> outq;
   std::map<uint64_t, std::shared_ptr<Pending>> awaitingAck;
+  std::map<uint64_t, std::shared_ptr<Pending>> awaitingCts;  // large sends whose RTS went out
+  std::map<uint64_t, std::shared_ptr<Pending>> cleared;      // recvs that sent CTS, by message id
   uint64_t nextId = 0;
   std::deque<std::shared_ptr<Pending>> posted;   // recvs with no message yet, oldest first
-  std::deque<std::unique_ptr<Stashed>> stash;    // messages with no recv yet, oldest first
+  std::deque<std::unique_ptr<Stashed>> stash;    // messages (or RTSs) with no recv yet, oldest first
   // The incoming frame being read.
   Frame frame;
   size_t frameGot = 0;
@@ -91,6 +101,7 @@ struct P2P::Link {
 };
 
 P2P::P2P(P2POptions options, ShmGroup* shm) : opt_(std::move(options)), shm_(shm) {
+  spinRounds_ = std::max(20, opt_.spinIters / 10);  // a round polls every stream: ~10 pauses' worth
   static_assert(sizeof(Frame) == kFrameBytes, "a frame header is 64 bytes");
   links_.resize(opt_.size);
   wakeFd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -160,6 +171,14 @@ std::string P2P::describe(const Pending& op) const {
 }
 
 namespace {
+inline void cpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
 void finishOk(const std::shared_ptr<CpuWork>& work, const at::Tensor& result) { work->finish(result, nullptr); }
 }  // namespace
 
@@ -184,8 +203,13 @@ void P2P::adopt(std::shared_ptr<Pending> op) {
     item.frame.id = op->id;
     item.frame.bytes = op->bytes;
     std::strncpy(item.frame.what, op->what.c_str(), sizeof(item.frame.what) - 1);
-    item.payload = op->data;
-    item.total = sizeof(Frame) + op->bytes;
+    if (op->bytes > kEagerBytes) {
+      item.frame.type = kRts;
+      item.total = sizeof(Frame);
+    } else {
+      item.payload = op->data;
+      item.total = sizeof(Frame) + op->bytes;
+    }
     item.send = std::move(op);
     link.outq.push_back(std::move(item));
     return;
@@ -232,7 +256,7 @@ bool P2P::pumpOut(int peer, Link& link) {
     item.offset += n;
     if (item.send) item.send->last = Clock::now();
     if (item.offset == item.total) {
-      if (item.send) link.awaitingAck[item.frame.id] = item.send;
+      if (item.send) (item.frame.type == kRts ? link.awaitingCts : link.awaitingAck)[item.frame.id] = item.send;
       link.outq.pop_front();
     }
   }
@@ -240,7 +264,10 @@ bool P2P::pumpOut(int peer, Link& link) {
 }
 
 bool P2P::hasPending(const Link& link) const {
-  if (!link.outq.empty() || !link.awaitingAck.empty() || !link.posted.empty() || link.target) return true;
+  if (!link.outq.empty() || !link.awaitingAck.empty() || !link.awaitingCts.empty() || !link.posted.empty() ||
+      !link.cleared.empty() || link.target) {
+    return true;
+  }
   return std::any_of(link.stash.begin(), link.stash.end(), [](const auto& s) { return s->waiter != nullptr; });
 }
 
@@ -300,13 +327,44 @@ void P2P::onHeader(int peer, Link& link) {
     throw CommFailedError("the stream from rank " + std::to_string(peer) +
                           " carried bytes that are not a torchring message (a corrupted stream)");
   }
+  if (f.type == kCts) {  // the peer posted the recv for a large message: send the payload
+    auto it = link.awaitingCts.find(f.id);
+    if (it == link.awaitingCts.end()) {
+      throw CommFailedError("rank " + std::to_string(peer) + " cleared a message this rank never announced");
+    }
+    OutItem item;
+    item.frame.type = kPayload;
+    item.frame.tag = it->second->tag;
+    item.frame.id = f.id;
+    item.frame.bytes = it->second->bytes;
+    item.payload = it->second->data;
+    item.total = sizeof(Frame) + it->second->bytes;
+    item.send = it->second;
+    item.send->last = Clock::now();
+    link.awaitingCts.erase(it);
+    link.outq.push_back(std::move(item));
+    return;
+  }
+  if (f.type == kPayload) {  // a large message this rank cleared: straight into its recv
+    auto it = link.cleared.find(f.id);
+    if (it == link.cleared.end()) {
+      throw CommFailedError("rank " + std::to_string(peer) + " sent a payload this rank never cleared");
+    }
+    link.target = it->second;
+    link.cleared.erase(it);
+    link.inPayload = true;
+    link.left = f.bytes;
+    link.dest = link.target->data;
+    return;
+  }
   if (f.type == kAck) {
-    auto it = link.awaitingAck.find(f.id);
-    if (it == link.awaitingAck.end()) {
+    auto& waiting = link.awaitingAck.count(f.id) ? link.awaitingAck : link.awaitingCts;  // CTS: a refused RTS
+    auto it = waiting.find(f.id);
+    if (it == waiting.end()) {
       throw CommFailedError("rank " + std::to_string(peer) + " acknowledged a message this rank never sent");
     }
     auto op = it->second;
-    link.awaitingAck.erase(it);
+    waiting.erase(it);
     --active_;
     if (f.ok) {
       finishOk(op->work, {});
@@ -321,8 +379,6 @@ void P2P::onHeader(int peer, Link& link) {
     }
     return;
   }
-  link.inPayload = true;
-  link.left = f.bytes;
   std::shared_ptr<Pending> recv;
   for (auto it = link.posted.begin(); it != link.posted.end(); ++it) {
     if ((*it)->tag == f.tag) {
@@ -331,6 +387,19 @@ void P2P::onHeader(int peer, Link& link) {
       break;
     }
   }
+  if (f.type == kRts) {  // no payload follows: clear it now, or keep it for a later recv
+    auto announced = std::make_unique<Stashed>();
+    announced->frame = f;
+    announced->complete = true;
+    if (recv) {
+      deliver(peer, link, *announced, recv);
+    } else {
+      link.stash.push_back(std::move(announced));
+    }
+    return;
+  }
+  link.inPayload = true;
+  link.left = f.bytes;
   if (!recv) {
     auto stashed = std::make_unique<Stashed>();
     stashed->frame = f;
@@ -374,8 +443,21 @@ void P2P::onPayloadDone(int peer, Link& link) {
 // it came from the stash, removes it there.
 void P2P::deliver(int peer, Link& link, Stashed& stashed, const std::shared_ptr<Pending>& recv) {
   auto keepRecv = recv;  // `recv` may be stashed.waiter, released below
-  const Frame& f = stashed.frame;
+  const Frame f = stashed.frame;
   const bool ok = f.bytes == keepRecv->bytes;
+  if (ok && f.type == kRts) {  // a large message: clear it, its payload comes straight in
+    auto it = std::find_if(link.stash.begin(), link.stash.end(), [&](const auto& s) { return s.get() == &stashed; });
+    if (it != link.stash.end()) link.stash.erase(it);
+    link.cleared[f.id] = keepRecv;
+    keepRecv->last = Clock::now();
+    OutItem item;
+    item.frame.type = kCts;
+    item.frame.tag = f.tag;
+    item.frame.id = f.id;
+    control(link, std::move(item));
+    pumpOut(peer, link);
+    return;
+  }
   if (ok && f.bytes > 0 && !stashed.payload.empty()) std::memcpy(keepRecv->data, stashed.payload.data(), f.bytes);
   ack(link, f.id, ok, keepRecv.get());
   pumpOut(peer, link);  // the ACK leaves before the caller learns: it may shut down next
@@ -404,9 +486,13 @@ void P2P::ack(Link& link, uint64_t id, bool ok, const Pending* recv) {
   item.frame.bytes = recv->bytes;
   item.frame.ok = ok ? 1 : 0;
   std::strncpy(item.frame.what, recv->what.c_str(), sizeof(item.frame.what) - 1);
+  control(link, std::move(item));
+}
+
+// Queues an ACK or CTS ahead of messages not started yet (behind the one being written and
+// earlier control frames): a long message must not delay the answer a peer waits for.
+void P2P::control(Link& link, OutItem item) {
   item.total = sizeof(Frame);
-  // Ahead of messages not started yet (behind the one being written and earlier ACKs): a
-  // long message must not delay the answer a peer waits for.
   auto at = link.outq.begin();
   if (at != link.outq.end() && at->offset > 0) ++at;
   while (at != link.outq.end() && !at->send) ++at;
@@ -451,7 +537,10 @@ void P2P::checkDeadlines() {
         return;
       }
     }
-    for (auto& [id, op] : link.awaitingAck) {
+    std::vector<std::shared_ptr<Pending>> sent;
+    for (auto& [id, op] : link.awaitingAck) sent.push_back(op);
+    for (auto& [id, op] : link.awaitingCts) sent.push_back(op);
+    for (auto& op : sent) {
       if (late(op)) {
         failAll(rankText() + ": " + describe(*op) + " was not received" + within + ": " + p +
                     (op->tag >= 0 ? " posted no matching recv(src=" + std::to_string(opt_.rank) + ", tag=" +
@@ -476,6 +565,7 @@ void P2P::checkDeadlines() {
       }
     }
     std::vector<std::shared_ptr<Pending>> recvs(link.posted.begin(), link.posted.end());
+    for (auto& [id, op] : link.cleared) recvs.push_back(op);
     for (auto& s : link.stash) recvs.push_back(s->waiter);
     recvs.push_back(link.target);
     for (auto& op : recvs) {
@@ -503,6 +593,8 @@ void P2P::failAll(const std::string& message, bool notify, bool shuttingDown) {
     if (!slot) continue;
     for (auto& item : slot->outq) ops.push_back(item.send);
     for (auto& [id, op] : slot->awaitingAck) ops.push_back(op);
+    for (auto& [id, op] : slot->awaitingCts) ops.push_back(op);
+    for (auto& [id, op] : slot->cleared) ops.push_back(op);
     for (auto& op : slot->posted) ops.push_back(op);
     for (auto& s : slot->stash) ops.push_back(s->waiter);
     ops.push_back(slot->target);
@@ -582,15 +674,14 @@ void P2P::loop() {
     for (auto& slot : links_) {
       if (!slot) continue;
       if (slot->shm) {
-        shmBusy |= active_ > 0 && (!slot->outq.empty() || !slot->awaitingAck.empty() || !slot->posted.empty() ||
-                                   !slot->stash.empty() || slot->inPayload);
+        shmBusy |= active_ > 0 && (hasPending(*slot) || !slot->stash.empty() || slot->inPayload);
         continue;
       }
       if (slot->in) fds.push_back({slot->in->fd(), POLLIN, 0});
       if (slot->out) fds.push_back({slot->out->fd(), static_cast<short>(POLLRDHUP | (slot->outq.empty() ? 0 : POLLOUT)), 0});
     }
-    if (shmBusy && ++idle < 200) {
-      sched_yield();
+    if (shmBusy && ++idle < spinRounds_) {  // a peer's answer through shared memory is near
+      cpuRelax();
       continue;
     }
     timespec wait{0, shmBusy ? 50000L : (active_ > 0 ? 20000000L : 200000000L)};

@@ -9,8 +9,9 @@
 //
 // Matching: a message carries (tag, id); the receiver hands it to its first posted recv from
 // that peer with the same tag, so order is kept per (peer, tag) and tags may be received in
-// any order. A message nobody waits for yet is read into a stash (the stream never blocks
-// behind it) and taken by the next recv of its tag. A send completes when its ACK comes
+// any order. A small message nobody waits for yet is read into a stash (the stream never
+// blocks behind it) and taken by the next recv of its tag; a large one (over 64 KiB) is only
+// announced, and its payload follows once the receiver posted the recv for it (rendezvous). A send completes when its ACK comes
 // back, i.e. once the peer's recv took it (as MPI_Ssend): a send with no matching recv fails
 // after the timeout, naming the peer and the tag. A recv whose size differs from the
 // message's fails both sides with a MismatchError and leaves the communicator usable.
@@ -45,6 +46,7 @@ struct P2POptions {
   std::vector<int> rankHost, rankLocal;  // host index and local index of every rank
   double timeoutSec = 300;
   std::string secret;
+  int spinIters = 20000;  // CommOptions.spinIters: how long to poll before sleeping
 };
 
 // A non-blocking one-way byte stream to (Out) or from (In) one peer; p2p_stream.cpp.
@@ -126,6 +128,7 @@ class P2P {
   void onPayloadDone(int peer, Link& link);
   void deliver(int peer, Link& link, Stashed& stashed, const std::shared_ptr<Pending>& recv);
   void ack(Link& link, uint64_t id, bool ok, const Pending* recv);
+  void control(Link& link, OutItem item);
   bool acceptPeers();
   bool hasPending(const Link& link) const;
   void checkPeers(const std::vector<pollfd>& fds);
@@ -153,6 +156,7 @@ class P2P {
   uint64_t nextSeq_ = 0;
   std::thread thread_;
   int active_ = 0;  // progress thread only: operations not yet completed
+  int spinRounds_ = 2000;
 };
 
 }  // namespace torchring
