@@ -5,7 +5,8 @@
 // written so far), the receiver `tail` (bytes read so far); both only grow. The sender may
 // write while head - tail < capacity, at offset head % capacity, wrapping around; the
 // receiver may read while tail < head. Release on the owner's store, acquire on the
-// other's load: bytes are visible before the counter that publishes them.
+// other's load: bytes are visible before the counter that publishes them. Each side moves
+// at most a 32 KiB piece per call, so the two copies overlap.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netdb.h>
@@ -34,6 +35,9 @@ struct RingHead {
 };
 constexpr size_t kRingData = 128;  // the payload starts here
 constexpr size_t kCapacity = ShmGroup::kP2PRingBytes - kRingData;
+// Bytes published at a time: the ring is a pipeline of pieces, so the receiver copies one
+// piece out while the sender copies the next one in (a whole ring per step would alternate).
+constexpr size_t kPiece = 32 << 10;
 static_assert(sizeof(RingHead) <= kRingData, "ring header");
 
 class ShmOut : public OutStream {
@@ -42,7 +46,7 @@ class ShmOut : public OutStream {
   size_t write(const char* src, size_t bytes) override {
     const uint64_t head = head_->head.load(std::memory_order_relaxed);
     const uint64_t tail = head_->tail.load(std::memory_order_acquire);
-    size_t n = std::min<size_t>(bytes, kCapacity - (head - tail));
+    size_t n = std::min<size_t>({bytes, kCapacity - (head - tail), kPiece});
     if (n == 0) return 0;
     const size_t at = head % kCapacity, first = std::min(n, kCapacity - at);
     std::memcpy(data_ + at, src, first);
@@ -62,7 +66,7 @@ class ShmIn : public InStream {
   size_t read(char* dst, size_t bytes) override {
     const uint64_t tail = head_->tail.load(std::memory_order_relaxed);
     const uint64_t head = head_->head.load(std::memory_order_acquire);
-    size_t n = std::min<size_t>(bytes, head - tail);
+    size_t n = std::min<size_t>({bytes, head - tail, kPiece});
     if (n == 0) return 0;
     const size_t at = tail % kCapacity, first = std::min(n, kCapacity - at);
     std::memcpy(dst, data_ + at, first);
