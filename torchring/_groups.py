@@ -213,8 +213,9 @@ def create(cls: type[G], ranks: Any) -> G:
                     f"rank {r}'s group {gid} is new_group({theirs}); every rank must call "
                     "new_group() with the same ranks, in the same order")
     grank, hosts = members.index(me), group_hosts(state.host_groups, members)
+    label = f"group {gid} of world ranks {ranks_text(members)} (the ranks in this message are group ranks): "
     comm = _rendezvous.communicator(state.engine, grank, len(members), hosts, settings,
-                                    state.secret, arena_bytes=0)
+                                    state.secret, arena_bytes=0, label=label)
     try:
         if len(members) > 1:
             _rendezvous.wire(comm, state.store, prefix, grank, state.master_addr, state.host,

@@ -183,6 +183,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("spin_iters", &CommOptions::spinIters,
                      "busy-wait iterations before a waiting rank sleeps")
       .def_readwrite("secret", &CommOptions::secret, "per-job token every TCP handshake presents")
+      .def_readwrite("label", &CommOptions::label, "put in front of failure messages (a group's)")
       .def_readwrite("one_shot_bytes", &CommOptions::oneShotBytes,
                      "internal, for tests: largest staged shared-memory allreduce run one-shot");
 

@@ -99,6 +99,7 @@ Communicator::Communicator(CommOptions options)
     po.timeoutSec = opt_.timeoutSec;
     po.secret = opt_.secret;
     po.spinIters = opt_.spinIters;
+    po.label = opt_.label;
     p2p_ = std::make_unique<P2P>(po, shm_.get());
   }
 }
@@ -356,6 +357,7 @@ std::shared_ptr<CpuWork> Communicator::enqueue(Op item, bool runInline) {
   std::unique_lock<std::mutex> lock(mutex_);
   item.header.seq = nextSeq_++;
   item.work = std::make_shared<CpuWork>(kind, item.header.seq, opt_.rank);
+  item.work->setContext(opt_.label);
   auto work = item.work;
   if (stopping_) {
     lock.unlock();

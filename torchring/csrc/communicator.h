@@ -48,6 +48,9 @@ struct CommOptions {
   size_t oneShotBytes = ShmOptions::kDefaultOneShotBytes;
   // Random per-job token every TCP handshake must present.
   std::string secret;
+  // For a group's communicator: put in front of its operations' failure messages, e.g.
+  // "group 2 of world ranks [0, 2] (the ranks in this message are group ranks): ".
+  std::string label;
 
   static constexpr size_t kDefaultSegmentBytes = 1 << 20;
 };

@@ -142,6 +142,7 @@ std::shared_ptr<CpuWork> P2P::post(bool isSend, int peer, int64_t tag, char* dat
   op->keep = std::move(keep);
   std::unique_lock<std::mutex> lock(mutex_);
   op->work = std::make_shared<CpuWork>(isSend ? OpKind::SEND : OpKind::RECV, nextSeq_++, opt_.rank);
+  op->work->setContext(opt_.label);
   auto work = op->work;
   if (!failure_.empty() || stopping_) {
     std::exception_ptr error =

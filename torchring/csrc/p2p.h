@@ -47,6 +47,7 @@ struct P2POptions {
   double timeoutSec = 300;
   std::string secret;
   int spinIters = 20000;  // CommOptions.spinIters: how long to poll before sleeping
+  std::string label;      // CommOptions.label
 };
 
 // A non-blocking one-way byte stream to (Out) or from (In) one peer; p2p_stream.cpp.

@@ -15,7 +15,7 @@ at::Tensor CpuWork::wait(double timeoutSec) {
     auto limit = std::chrono::duration<double>(timeoutSec);
     if (!cv_.wait_for(lock, limit, [&] { return done_; })) {
       std::ostringstream msg;
-      msg << "rank " << rank() << ": " << kindName(kind()) << " #" << seq() << ": Handle.wait(timeout="
+      msg << context_ << "rank " << rank() << ": " << kindName(kind()) << " #" << seq() << ": Handle.wait(timeout="
           << timeoutSec << ") expired; the operation is still running and the communicator is "
           << "fine (wait again, or raise the timeout)";
       throw WaitTimeoutError(msg.str());
@@ -35,6 +35,19 @@ std::string CpuWork::error() {
 void CpuWork::finish(at::Tensor result, std::exception_ptr error) {
   std::string message;
   if (error) {
+    // The same class again, the context in front (most derived classes first).
+    try {
+      std::rethrow_exception(error);
+    } catch (const MismatchError& e) {
+      if (!context_.empty()) error = std::make_exception_ptr(MismatchError(context_ + e.what()));
+    } catch (const CommFailedError& e) {
+      if (!context_.empty()) error = std::make_exception_ptr(CommFailedError(context_ + e.what()));
+    } catch (const WaitTimeoutError& e) {
+      if (!context_.empty()) error = std::make_exception_ptr(WaitTimeoutError(context_ + e.what()));
+    } catch (const TorchringError& e) {
+      if (!context_.empty()) error = std::make_exception_ptr(TorchringError(context_ + e.what()));
+    } catch (...) {
+    }
     try {
       std::rethrow_exception(error);
     } catch (const std::exception& e) {

@@ -48,6 +48,9 @@ class CpuWork : public Work {
 
   // Completes the operation: `error` null means it succeeded with `result`.
   void finish(at::Tensor result, std::exception_ptr error);
+  // Put in front of every failure message (a group's communicator: which group, so that the
+  // ranks a message names, which are the group's, are not read as world ranks).
+  void setContext(std::string context) { context_ = std::move(context); }
   // The failure message of a completed operation; "" while it runs or when it succeeded.
   std::string error();
 
@@ -57,6 +60,7 @@ class CpuWork : public Work {
   bool done_ = false;
   std::exception_ptr error_;
   std::string message_;
+  std::string context_;
   at::Tensor result_;
 };
 
