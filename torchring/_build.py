@@ -29,10 +29,10 @@ from ._log import logger
 _NAME = "torchring_C"
 _CSRC = Path(__file__).resolve().parent / "csrc"
 # The C++ standard: whatever this torch needs (cpp_extension sets it).
-_CFLAGS = ["-O3", "-march=native", "-fwrapv", "-Wall", "-Wno-unused-function"]
+_CFLAGS = ["-O3", "-march=native", "-fwrapv", "-Wall", "-Werror=return-type", "-Wno-unused-function"]
 # TORCHRING_DEBUG_BUILD=1: unoptimized, with AddressSanitizer and UBSan (its own cache entry).
 _SANITIZE = "-fsanitize=address,undefined"
-_DEBUG_CFLAGS = ["-O0", "-g", "-fno-omit-frame-pointer", _SANITIZE, "-fwrapv", "-Wall",
+_DEBUG_CFLAGS = ["-O0", "-g", "-fno-omit-frame-pointer", _SANITIZE, "-fwrapv", "-Wall", "-Werror=return-type",
                  "-Wno-unused-function"]
 _module: ModuleType | None = None
 

@@ -425,6 +425,15 @@ void Communicator::execute(Op& op) {
     error = std::current_exception();
   } catch (const std::exception& e) {
     failure = e.what();
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!failure_.empty()) {  // failed elsewhere first (point-to-point): say that, not the echo
+      const std::string hint = std::string("; ") + kRecoveryHint;
+      std::string first = failure_;
+      if (first.size() >= hint.size() && first.compare(first.size() - hint.size(), hint.size(), hint) == 0) {
+        first.resize(first.size() - hint.size());
+      }
+      failure = rankText() + ": " + op.header.label() + " failed because the communicator failed: " + first;
+    }
   }
   if (!failure.empty()) {
     {

@@ -66,7 +66,8 @@ struct P2P::OutItem {
   Frame frame;
   const char* payload = nullptr;
   size_t total = 0, offset = 0;  // frame + payload bytes, and how many were written
-  std::shared_ptr<Pending> send;  // null for an ACK
+  std::shared_ptr<Pending> send;  // null for an ACK or CTS
+  at::Tensor keep;                 // a refused message's payload, until written
 };
 
 struct P2P::Stashed {
@@ -80,6 +81,7 @@ struct P2P::Link {
   std::unique_ptr<OutStream> out;
   std::unique_ptr<InStream> in;
   bool shm = false;
+  Clock::time_point lastActive;  // a byte moved on this link, either way
   bool hungUp = false;  // the connection this rank sent on was closed by the peer
   Clock::time_point hungUpAt;
   std::deque<OutItem> outq;
@@ -157,9 +159,8 @@ std::shared_ptr<CpuWork> P2P::post(bool isSend, int peer, int64_t tag, char* dat
   }
   incoming_.push_back(std::move(op));
   if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
-  lock.unlock();
   uint64_t one = 1;
-  (void)!::write(wakeFd_, &one, sizeof(one));
+  (void)!::write(wakeFd_, &one, sizeof(one));  // under the lock: shutdown() closes it
   return work;
 }
 
@@ -234,7 +235,11 @@ OutStream& P2P::outStream(int peer, Link& link) {
       throw CommFailedError(rankText() + ": no address for rank " + std::to_string(peer) +
                             " on another host: the communicator was not wired for point-to-point messages");
     }
-    int fd = p2pstream::tcpConnect(addrs_[peer], ports_[peer], opt_.rank, peer, opt_.secret, opt_.timeoutSec);
+    int fd = p2pstream::tcpConnect(addrs_[peer], ports_[peer], opt_.rank, peer, opt_.secret, opt_.timeoutSec,
+                                   [this] {
+                                     std::lock_guard<std::mutex> lock(mutex_);
+                                     return stopping_;
+                                   });
     link.out = p2pstream::tcpOut(fd, "rank " + std::to_string(peer) + " (" + addrs_[peer] + ":" +
                                          std::to_string(ports_[peer]) + ")");
   }
@@ -254,6 +259,7 @@ bool P2P::pumpOut(int peer, Link& link) {
     }
     if (n == 0) break;
     moved = true;
+    link.lastActive = Clock::now();
     item.offset += n;
     if (item.send) item.send->last = Clock::now();
     if (item.offset == item.total) {
@@ -295,6 +301,7 @@ bool P2P::pumpFrames(int peer, Link& link) {
       size_t n = link.in->read(reinterpret_cast<char*>(&link.frame) + link.frameGot, sizeof(Frame) - link.frameGot);
       if (n == 0) return moved;
       moved = true;
+      link.lastActive = Clock::now();
       link.frameGot += n;
       if (link.frameGot < sizeof(Frame)) continue;
       link.frameGot = 0;
@@ -306,6 +313,7 @@ bool P2P::pumpFrames(int peer, Link& link) {
       size_t n = link.in->read(link.discarding ? link.scratch.data() : link.dest, want);
       if (n == 0) return moved;
       moved = true;
+      link.lastActive = Clock::now();
       if (!link.discarding) link.dest += n;
       link.left -= n;
       if (link.target) link.target->last = Clock::now();
@@ -361,11 +369,20 @@ void P2P::onHeader(int peer, Link& link) {
   if (f.type == kAck) {
     auto& waiting = link.awaitingAck.count(f.id) ? link.awaitingAck : link.awaitingCts;  // CTS: a refused RTS
     auto it = waiting.find(f.id);
-    if (it == waiting.end()) {
-      throw CommFailedError("rank " + std::to_string(peer) + " acknowledged a message this rank never sent");
+    std::shared_ptr<Pending> op;
+    if (it != waiting.end()) {
+      op = it->second;
+      waiting.erase(it);
+    } else {  // a refusal while the message is still being written: it is finished, then dropped
+      for (auto& item : link.outq) {
+        if (item.send && item.frame.type == kData && item.frame.id == f.id && !f.ok) {
+          op = std::move(item.send);
+          item.keep = op->keep;  // its payload stays alive until written
+          break;
+        }
+      }
+      if (!op) throw CommFailedError("rank " + std::to_string(peer) + " acknowledged a message this rank never sent");
     }
-    auto op = it->second;
-    waiting.erase(it);
     --active_;
     if (f.ok) {
       finishOk(op->work, {});
@@ -429,9 +446,10 @@ void P2P::onPayloadDone(int peer, Link& link) {
     auto recv = std::move(link.target);
     link.target = nullptr;
     ack(link, link.frame.id, true, recv.get());
-    pumpOut(peer, link);  // the ACK leaves before the caller learns: it may shut down next
+    std::exception_ptr lost = pumpNow(peer, link);  // the ACK leaves before the caller learns
     --active_;
-    finishOk(recv->work, recv->keep);
+    finishOk(recv->work, recv->keep);  // it has its data, whatever happens to the ACK
+    if (lost) std::rethrow_exception(lost);
   } else if (link.stashTarget) {
     Stashed* stashed = link.stashTarget;
     link.stashTarget = nullptr;
@@ -456,12 +474,12 @@ void P2P::deliver(int peer, Link& link, Stashed& stashed, const std::shared_ptr<
     item.frame.tag = f.tag;
     item.frame.id = f.id;
     control(link, std::move(item));
-    pumpOut(peer, link);
+    if (std::exception_ptr lost = pumpNow(peer, link)) std::rethrow_exception(lost);  // the recv is in `cleared`
     return;
   }
   if (ok && f.bytes > 0 && !stashed.payload.empty()) std::memcpy(keepRecv->data, stashed.payload.data(), f.bytes);
   ack(link, f.id, ok, keepRecv.get());
-  pumpOut(peer, link);  // the ACK leaves before the caller learns: it may shut down next
+  std::exception_ptr lost = pumpNow(peer, link);  // the ACK leaves before the caller learns
   --active_;
   const uint64_t sentBytes = f.bytes;
   const std::string sentWhat(f.what, strnlen(f.what, sizeof(f.what)));
@@ -469,6 +487,7 @@ void P2P::deliver(int peer, Link& link, Stashed& stashed, const std::shared_ptr<
   if (it != link.stash.end()) link.stash.erase(it);
   if (ok) {
     finishOk(keepRecv->work, keepRecv->keep);
+    if (lost) std::rethrow_exception(lost);
     return;
   }
   keepRecv->work->finish({}, std::make_exception_ptr(MismatchError(
@@ -477,6 +496,18 @@ void P2P::deliver(int peer, Link& link, Stashed& stashed, const std::shared_ptr<
                                  " sent " + sizeText(sentWhat, sentBytes) +
                                  "; a send and its recv (same peers, same tag, in order) must have the same size. "
                                  "The message was dropped on both ranks; the communicator stays usable")));
+  if (lost) std::rethrow_exception(lost);
+}
+
+// Writes what `link` has queued now; a failure is returned (to be rethrown once the caller
+// finished the operation it holds), not thrown.
+std::exception_ptr P2P::pumpNow(int peer, Link& link) {
+  try {
+    pumpOut(peer, link);
+  } catch (...) {
+    return std::current_exception();
+  }
+  return nullptr;
 }
 
 void P2P::ack(Link& link, uint64_t id, bool ok, const Pending* recv) {
@@ -500,13 +531,34 @@ void P2P::control(Link& link, OutItem item) {
   link.outq.insert(at, std::move(item));
 }
 
+// New connections wait in intros_ until their introduction arrived (read without blocking,
+// so a silent client cannot stall the progress thread); one that says nothing for 5 s is
+// dropped.
 bool P2P::acceptPeers() {
   if (listenFd_ < 0) return false;
   bool any = false;
-  for (;;) {
+  for (int fd; (fd = p2pstream::tcpAcceptRaw(listenFd_)) >= 0;) intros_.push_back({fd, Clock::now(), {}, 0});
+  for (size_t i = 0; i < intros_.size();) {
+    Intro& intro = intros_[i];
     int from = -1;
-    int fd = p2pstream::tcpAccept(listenFd_, opt_.rank, opt_.size, opt_.secret, &from);
-    if (fd < 0) return any;
+    std::string refused;
+    int state = p2pstream::readIntro(intro.fd, intro.bytes, &intro.got, opt_.rank, opt_.size, opt_.secret, &from,
+                                     &refused);
+    if (state == 0 && secondsSince(intro.start) > 5.0) {
+      state = -1;
+      refused = "it sent no complete introduction within 5 s";
+    }
+    if (state == 0) {
+      ++i;
+      continue;
+    }
+    int fd = intro.fd;
+    intros_.erase(intros_.begin() + static_cast<long>(i));
+    if (state < 0) {
+      warn(rankText() + ": refused a point-to-point connection: " + refused);
+      ::close(fd);
+      continue;
+    }
     auto& slot = links_[from];
     if (!slot) slot = std::make_unique<Link>();
     if (slot->in || sameHost(from)) {
@@ -517,18 +569,25 @@ bool P2P::acceptPeers() {
     slot->in = p2pstream::tcpIn(fd, "rank " + std::to_string(from));
     any = true;
   }
+  return any;
 }
 
 // An operation that made no progress for the timeout fails the communicator, naming it.
 void P2P::checkDeadlines() {
   const double limit = opt_.timeoutSec;
-  auto late = [&](const std::shared_ptr<Pending>& op) { return op && secondsSince(op->last) > limit; };
+  // An operation is late when neither it nor its link moved a byte for the timeout: one
+  // queued behind a long transfer on the same link is waiting, not stuck.
+  Link* current = nullptr;
+  auto late = [&](const std::shared_ptr<Pending>& op) {
+    return op && secondsSince(std::max(op->last, current->lastActive)) > limit;
+  };
   char seconds[32];
   std::snprintf(seconds, sizeof(seconds), "%g", limit);
   const std::string within = std::string(" within ") + seconds + " s";
   for (int peer = 0; peer < opt_.size; ++peer) {
     if (!links_[peer]) continue;
     Link& link = *links_[peer];
+    current = &link;
     const std::string p = "rank " + std::to_string(peer);
     for (auto& item : link.outq) {
       if (late(item.send)) {
@@ -604,16 +663,27 @@ void P2P::failAll(const std::string& message, bool notify, bool shuttingDown) {
   active_ = 0;
   // The communicator records the failure before any caller wakes up, so the caller's next
   // operation already sees it.
-  if (notify && onFailure_) onFailure_(message);
+  if (notify && onFailure_ && !notified_) {
+    notified_ = true;
+    onFailure_(message);
+  }
   for (auto& op : ops) {
     if (!op || op->work->isCompleted()) continue;
     std::exception_ptr error =
         shuttingDown ? std::make_exception_ptr(TorchringError(
                            rankText() + ": " + describe(*op) +
                            " was not completed: torchring.shutdown() (or the group's destroy()) was called first"))
-                     : std::make_exception_ptr(CommFailedError(message + "; " + kRecoveryHint));
+                     : std::make_exception_ptr(CommFailedError(failedText(*op, message) + "; " + kRecoveryHint));
     op->work->finish({}, error);
   }
+}
+
+// The cause, prefixed with the operation unless the cause is about that very operation.
+std::string P2P::failedText(const Pending& op, const std::string& cause) const {
+  const std::string what = describe(op);
+  if (cause.find(what) != std::string::npos) return cause;
+  const std::string me = rankText() + ": ";
+  return me + what + " failed: " + (cause.rfind(me, 0) == 0 ? cause.substr(me.size()) : cause);
 }
 
 void P2P::fail(const std::string& message) {
@@ -621,9 +691,9 @@ void P2P::fail(const std::string& message) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!failure_.empty()) return;
     failure_ = message;
+    uint64_t one = 1;
+    if (wakeFd_ >= 0) (void)!::write(wakeFd_, &one, sizeof(one));
   }
-  uint64_t one = 1;
-  (void)!::write(wakeFd_, &one, sizeof(one));
 }
 
 void P2P::loop() {
@@ -648,8 +718,9 @@ void P2P::loop() {
       fresh.clear();
     }
     bool moved = !fresh.empty();
+    size_t adopted = 0;
     try {
-      for (auto& op : fresh) adopt(op);
+      for (; adopted < fresh.size(); ++adopted) adopt(fresh[adopted]);
       moved |= acceptPeers();
       for (int peer = 0; peer < opt_.size; ++peer) {
         if (links_[peer]) moved |= pumpOut(peer, *links_[peer]);
@@ -660,6 +731,10 @@ void P2P::loop() {
         if (active_ > 0) checkDeadlines();
       }
     } catch (const std::exception& e) {
+      {  // operations not adopted yet are failed with the rest (a finished one is skipped)
+        std::lock_guard<std::mutex> lock(mutex_);
+        for (size_t i = adopted; i < fresh.size(); ++i) incoming_.push_back(fresh[i]);
+      }
       std::string what = e.what();
       failAll(what.rfind("rank ", 0) == 0 ? what : rankText() + ": " + what, true, false);
       continue;
@@ -672,6 +747,7 @@ void P2P::loop() {
     fds.clear();
     fds.push_back({wakeFd_, POLLIN, 0});
     if (listenFd_ >= 0) fds.push_back({listenFd_, POLLIN, 0});
+    for (auto& intro : intros_) fds.push_back({intro.fd, POLLIN, 0});
     for (auto& slot : links_) {
       if (!slot) continue;
       if (slot->shm) {
@@ -685,7 +761,8 @@ void P2P::loop() {
       cpuRelax();
       continue;
     }
-    timespec wait{0, shmBusy ? 50000L : (active_ > 0 ? 20000000L : 200000000L)};
+    // Shared memory pending: 50 us naps, 1 ms once nothing moved for ~10 ms.
+    timespec wait{0, shmBusy ? (idle - spinRounds_ < 200 ? 50000L : 1000000L) : (active_ > 0 ? 20000000L : 200000000L)};
     if (ppoll(fds.data(), fds.size(), &wait, nullptr) > 0) {
       if (fds[0].revents & POLLIN) {
         uint64_t drained;
@@ -755,10 +832,13 @@ void P2P::shutdown() {
   if (thread_.joinable()) thread_.join();
   flushAcks();
   failAll("", false, true);
+  std::lock_guard<std::mutex> lock(mutex_);
   for (int* fd : {&listenFd_, &wakeFd_}) {
     if (*fd >= 0) ::close(*fd);
     *fd = -1;
   }
+  for (auto& intro : intros_) ::close(intro.fd);
+  intros_.clear();
 }
 
 }  // namespace torchring

@@ -77,13 +77,18 @@ std::unique_ptr<OutStream> tcpOut(int fd, const std::string& peerText);
 std::unique_ptr<InStream> tcpIn(int fd, const std::string& peerText);
 // A listening socket on `bindAddr` ("" = every interface); *port gets its port.
 int tcpListen(const std::string& bindAddr, int rank, int* port);
-// Connects to rank `toRank` at addr:port and introduces this rank; throws CommFailedError
-// after `timeoutSec` of failed attempts.
 int tcpConnect(const std::string& addr, int port, int fromRank, int toRank, const std::string& secret,
-               double timeoutSec);
-// Accepts one waiting connection and checks its introduction: the peer's rank and its fd,
-// or -1 (nothing waiting, or a refused stray connection, which is logged).
-int tcpAccept(int listenFd, int rank, int size, const std::string& secret, int* fromRank);
+               double timeoutSec, const std::function<bool()>& cancelled);
+// A waiting connection (non-blocking), or -1.
+int tcpAcceptRaw(int listenFd);
+constexpr size_t kIntroBytes = 80;  // what a connecting rank says first
+// Reads more of a connection's introduction into bytes[*got...]: 1 complete and valid
+// (*fromRank set, the socket made non-blocking), 0 not complete yet, -1 refused (*why).
+int readIntro(int fd, char* bytes, size_t* got, int rank, int size, const std::string& secret, int* fromRank,
+              std::string* why);
+// Connects to rank `toRank` at addr:port and introduces this rank; throws CommFailedError
+// after `timeoutSec` of failed attempts, at once when refused (the peer's listener is gone:
+// it shut down or died), or when `cancelled()` turns true (checked every 100 ms).
 }  // namespace p2pstream
 
 class P2P {
@@ -129,6 +134,8 @@ class P2P {
   void onPayloadDone(int peer, Link& link);
   void deliver(int peer, Link& link, Stashed& stashed, const std::shared_ptr<Pending>& recv);
   void ack(Link& link, uint64_t id, bool ok, const Pending* recv);
+  std::exception_ptr pumpNow(int peer, Link& link);
+  std::string failedText(const Pending& op, const std::string& cause) const;
   void control(Link& link, OutItem item);
   bool acceptPeers();
   bool hasPending(const Link& link) const;
@@ -157,6 +164,14 @@ class P2P {
   uint64_t nextSeq_ = 0;
   std::thread thread_;
   int active_ = 0;  // progress thread only: operations not yet completed
+  bool notified_ = false;  // onFailure_ was called
+  struct Intro {
+    int fd;
+    Clock::time_point start;
+    char bytes[p2pstream::kIntroBytes];
+    size_t got;
+  };
+  std::vector<Intro> intros_;  // accepted connections whose introduction is still arriving
   int spinRounds_ = 2000;
 };
 

@@ -176,7 +176,7 @@ int tcpListen(const std::string& bindAddr, int rank, int* port) {
 }
 
 int tcpConnect(const std::string& host, int port, int fromRank, int toRank, const std::string& secret,
-               double timeoutSec) {
+               double timeoutSec, const std::function<bool()>& cancelled) {
   const std::string who = "rank " + std::to_string(fromRank) + ": cannot connect to rank " +
                           std::to_string(toRank) + " at " + host + ":" + std::to_string(port);
   addrinfo hints{}, *res = nullptr;
@@ -187,19 +187,28 @@ int tcpConnect(const std::string& host, int port, int fromRank, int toRank, cons
   }
   const auto start = Clock::now();
   std::string lastError = "no attempt";
-  while (secondsSince(start) < timeoutSec) {
+  while (secondsSince(start) < timeoutSec && !cancelled()) {
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     int rc = fd < 0 ? -1 : ::connect(fd, res->ai_addr, res->ai_addrlen);
     if (rc != 0 && fd >= 0 && errno == EINPROGRESS) {  // non-blocking: a silent address cannot outlast the timeout
-      pollfd pfd{fd, POLLOUT, 0};
       int err = ETIMEDOUT;
       socklen_t len = sizeof(err);
-      double left = std::min(5.0, timeoutSec - secondsSince(start));
-      if (poll(&pfd, 1, static_cast<int>(std::max(1.0, left * 1000))) == 1) {
-        getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+      const auto attempt = Clock::now();
+      while (secondsSince(attempt) < 5.0 && secondsSince(start) < timeoutSec && !cancelled()) {
+        pollfd pfd{fd, POLLOUT, 0};
+        if (poll(&pfd, 1, 100) == 1) {
+          getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+          break;
+        }
       }
       rc = err == 0 ? 0 : -1;
       errno = err;
+    }
+    if (rc != 0 && errno == ECONNREFUSED) {  // its listener is gone: retrying cannot help
+      if (fd >= 0) ::close(fd);
+      freeaddrinfo(res);
+      throw CommFailedError(who + ": connection refused: it shut down or died (or TORCHRING_ADDR names "
+                            "another host)");
     }
     if (rc == 0) {
       Hello hello{};
@@ -219,44 +228,40 @@ int tcpConnect(const std::string& host, int port, int fromRank, int toRank, cons
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   freeaddrinfo(res);
+  if (cancelled()) throw TorchringError(who + ": torchring.shutdown() was called while connecting");
   throw CommFailedError(who + " within " + std::to_string(static_cast<int>(timeoutSec)) + " s (" + lastError +
                         "): it died, or the address is not reachable from this host (TORCHRING_ADDR)");
 }
 
-int tcpAccept(int listenFd, int rank, int size, const std::string& secret, int* fromRank) {
-  int fd = accept4(listenFd, nullptr, nullptr, SOCK_CLOEXEC);
-  if (fd < 0) return -1;
-  // The peer sent its introduction right after connecting: wait for it briefly.
-  Hello hello{};
-  size_t got = 0;
-  const auto start = Clock::now();
-  while (got < sizeof(hello) && secondsSince(start) < 5.0) {
-    pollfd pfd{fd, POLLIN, 0};
-    if (poll(&pfd, 1, 100) <= 0) continue;
-    ssize_t r = ::recv(fd, reinterpret_cast<char*>(&hello) + got, sizeof(hello) - got, 0);
-    if (r <= 0) break;
-    got += static_cast<size_t>(r);
+int tcpAcceptRaw(int listenFd) { return accept4(listenFd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK); }
+
+int readIntro(int fd, char* bytes, size_t* got, int rank, int size, const std::string& secret, int* fromRank,
+              std::string* why) {
+  static_assert(sizeof(Hello) == kIntroBytes, "the introduction's size");
+  while (*got < sizeof(Hello)) {
+    ssize_t r = ::recv(fd, bytes + *got, sizeof(Hello) - *got, MSG_DONTWAIT);
+    if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return 0;
+    if (r <= 0) {
+      *why = "it closed before a complete introduction";
+      return -1;
+    }
+    *got += static_cast<size_t>(r);
   }
-  std::string reason;
-  if (got < sizeof(hello)) {
-    reason = "it sent no complete introduction";
-  } else if (std::memcmp(hello.magic, kMagic, sizeof(kMagic)) != 0) {
-    reason = "it did not speak torchring's point-to-point protocol";
+  Hello hello;
+  std::memcpy(&hello, bytes, sizeof(hello));
+  if (std::memcmp(hello.magic, kMagic, sizeof(kMagic)) != 0) {
+    *why = "it did not speak torchring's point-to-point protocol";
   } else if (std::strncmp(hello.secret, secret.c_str(), sizeof(hello.secret)) != 0) {
-    reason = "wrong job secret (a rank of another job, or a stray client)";
+    *why = "wrong job secret (a rank of another job, or a stray client)";
   } else if (hello.toRank != rank || hello.fromRank < 0 || hello.fromRank >= size || hello.fromRank == rank) {
-    reason = "it claims to be rank " + std::to_string(hello.fromRank) + " connecting to rank " +
-             std::to_string(hello.toRank);
+    *why = "it claims to be rank " + std::to_string(hello.fromRank) + " connecting to rank " +
+           std::to_string(hello.toRank);
+  } else {
+    setNoDelay(fd);
+    *fromRank = hello.fromRank;
+    return 1;
   }
-  if (!reason.empty()) {
-    warn("rank " + std::to_string(rank) + ": refused a point-to-point connection: " + reason);
-    ::close(fd);
-    return -1;
-  }
-  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
-  setNoDelay(fd);
-  *fromRank = hello.fromRank;
-  return fd;
+  return -1;
 }
 
 }  // namespace p2pstream

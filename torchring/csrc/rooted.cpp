@@ -16,6 +16,8 @@
 // allreduce_many: the tensors are packed into one buffer, allreduced as one operation (one
 //   header, one transfer) and unpacked.
 // Transfers of a collective use the tag -1 - seq, never a user's tag (>= 0).
+#include <cmath>
+#include <cstdint>
 #include <cstring>
 
 #include "communicator.h"
@@ -28,13 +30,6 @@ int64_t internalTag(uint64_t seq) { return -1 - static_cast<int64_t>(seq & 0x3ff
 
 bool isFloating(at::ScalarType type) {
   return type == at::kFloat || type == at::kDouble || type == at::kHalf || type == at::kBFloat16;
-}
-
-// A tensor's dim-0 rows and the bytes of one row (a scalar is one row).
-int64_t rowsIn(const at::Tensor& t) { return t.dim() == 0 ? 1 : t.size(0); }
-size_t rowBytes(const at::Tensor& t) {
-  const int64_t rows = rowsIn(t);
-  return rows == 0 ? 0 : t.nbytes() / static_cast<size_t>(rows);
 }
 
 }  // namespace
@@ -57,11 +52,15 @@ void Communicator::checkArgs(OpKind kind, const at::Tensor& tensor, int root, co
     }
   } else {
     TORCH_CHECK_VALUE(kind == OpKind::BARRIER || tensor.defined(), what, " needs a tensor");
+    TORCH_CHECK_VALUE(!tensor.defined() || (tensor.device().is_cpu() && tensor.is_contiguous()), what,
+                      " needs a contiguous CPU tensor, got ", tensorText(tensor), " on ", tensor.device());
   }
   const bool rooted = kind == OpKind::BROADCAST || kind == OpKind::REDUCE || kind == OpKind::GATHER ||
                       kind == OpKind::SCATTER;
   TORCH_CHECK_VALUE(!rooted || (root >= 0 && root < opt_.size), what, ": the root must be a rank in [0, ", opt_.size,
                     "), got ", root);
+  TORCH_CHECK_VALUE(std::isfinite(args.prescale) && std::isfinite(args.postscale), what,
+                    ": prescale and postscale must be finite, got ", args.prescale, " and ", args.postscale);
   if (args.prescale != 1.0 || args.postscale != 1.0) {
     const at::Tensor& t = kind == OpKind::ALLREDUCE_MANY ? args.tensors[0] : tensor;
     TORCH_CHECK_VALUE(kind == OpKind::ALLREDUCE || kind == OpKind::REDUCE_SCATTER || kind == OpKind::ALLREDUCE_MANY,
@@ -203,23 +202,27 @@ at::Tensor Communicator::alltoall(Op& op) {
   for (int r = 0; r < n; ++r) {
     const int64_t* row = all + r * w;
     int64_t sent = 0, expected = 0;
+    // Each count is within [0, rows] before any sum, so no sum can overflow.
+    const int64_t outRows = row[2 * n + 1] >= 0 ? row[2 * n + 1] : INT64_MAX / n;
     bool negative = false, negativeRecv = false;
     for (int k = 0; k < n; ++k) {
-      sent += row[k];
-      expected += row[n + k];
-      negative |= row[k] < 0;
-      negativeRecv |= row[n + k] < 0;
+      negative |= row[k] < 0 || row[k] > row[2 * n];
+      negativeRecv |= row[n + k] < 0 || row[n + k] > outRows;
+      if (!negative) sent += row[k];
+      if (!negativeRecv) expected += row[n + k];
     }
     if (negative || sent != row[2 * n]) {
       throw MismatchError(where + "rank " + std::to_string(r) + "'s send splits " + listText(row, n) +
-                          (negative ? " hold a negative count" : " sum to " + std::to_string(sent)) + " and its tensor has " +
+                          (negative ? " hold a count below 0 or above its rows" : " sum to " + std::to_string(sent)) +
+                          " and its tensor has " +
                           std::to_string(row[2 * n]) +
                           " rows (dim 0); splits must be >= 0 and sum to dim 0 (without splits, dim 0 must "
                           "divide by the group size)" + after);
     }
     if (row[2 * n + 2] && (negativeRecv || (row[2 * n + 1] >= 0 && expected != row[2 * n + 1]))) {
       throw MismatchError(where + "rank " + std::to_string(r) + "'s receive splits " + listText(row + n, n) +
-                          (negativeRecv ? " hold a negative count" : " sum to " + std::to_string(expected)) +
+                          (negativeRecv ? " hold a count below 0 or above its output's rows"
+                                        : " sum to " + std::to_string(expected)) +
                           " and its output has " + std::to_string(row[2 * n + 1]) +
                           " rows; they must be >= 0 and sum to the output's dim 0" + after);
     }
@@ -248,7 +251,7 @@ at::Tensor Communicator::alltoall(Op& op) {
     sizes[0] = recvOffset[n];
     out = at::empty(sizes, t.options());
   }
-  const size_t row = rowBytes(t);
+  const size_t row = op.header.rowElems * elementSize(static_cast<DType>(op.header.dtype));  // 0 rows too
   const char* src = static_cast<const char*>(t.data_ptr());
   char* dst = static_cast<char*>(out.data_ptr());
   const std::string what = op.header.label() + " " + tensorText(t);

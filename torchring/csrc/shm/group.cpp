@@ -62,11 +62,13 @@ std::string ShmGroup::create(const std::string& nameTag) {
   auto mapping = std::make_shared<Mapping>();
   mapping->fd = fd;
   int reserveError = ftruncate(fd, static_cast<off_t>(total)) != 0 ? errno : 0;
-  if (reserveError == 0) reserveError = posix_fallocate(fd, 0, static_cast<off_t>(arenaOffset_));
+  // Reserved now: control, tables, staging. The point-to-point rings (localSize^2 of them on
+  // a host) are committed on first use, like the arena: only pairs that talk cost memory.
+  if (reserveError == 0) reserveError = posix_fallocate(fd, 0, static_cast<off_t>(p2pOffset_));
   if (reserveError != 0) {
     throw CommFailedError("rank " + std::to_string(opt_.localRanks[opt_.localIndex]) +
                          ": cannot reserve (" + std::strerror(reserveError) + ") " +
-                         std::to_string(arenaOffset_ >> 10) +
+                         std::to_string(p2pOffset_ >> 10) +
                          " KiB in /dev/shm for the shared-memory region " + ownName_ +
                          "; free space there (docker: --shm-size), lower "
                          "TORCHRING_SHM_SEGMENT_KB, or set TORCHRING_TRANSPORT=tcp");
