@@ -743,7 +743,7 @@ void P2P::loop() {
       idle = 0;
       continue;
     }
-    bool shmBusy = false;
+    bool shmBusy = false, tcpBusy = false;
     fds.clear();
     fds.push_back({wakeFd_, POLLIN, 0});
     if (listenFd_ >= 0) fds.push_back({listenFd_, POLLIN, 0});
@@ -754,10 +754,13 @@ void P2P::loop() {
         shmBusy |= active_ > 0 && (hasPending(*slot) || !slot->stash.empty() || slot->inPayload);
         continue;
       }
+      tcpBusy |= active_ > 0 && hasPending(*slot);
       if (slot->in) fds.push_back({slot->in->fd(), POLLIN, 0});
       if (slot->out) fds.push_back({slot->out->fd(), static_cast<short>(POLLRDHUP | (slot->outq.empty() ? 0 : POLLOUT)), 0});
     }
-    if (shmBusy && ++idle < spinRounds_) {  // a peer's answer through shared memory is near
+    // A peer's answer is near: poll a while before sleeping (a wake-up from ppoll costs more
+    // than the answer takes, through shared memory or a socket).
+    if ((shmBusy || tcpBusy) && ++idle < spinRounds_) {
       cpuRelax();
       continue;
     }
