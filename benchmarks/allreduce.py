@@ -294,7 +294,11 @@ def main() -> None:
 
         run_world(world, args, on_row)
         print()
-    wrong = sum(r[lib]["wrong"] for r in rows for lib in args.libs)
+    finish(args, info, rows, sum(r[lib]["wrong"] for r in rows for lib in args.libs))
+
+
+def finish(args: argparse.Namespace, info: dict, rows: list[dict], wrong: int) -> None:
+    """Writes --json (machine, arguments, every row) and fails the run if any element was wrong."""
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": info, "args": vars(args), "rows": rows}, f, indent=1)

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import socket
 import statistics
@@ -54,8 +53,8 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from allreduce import (_max_over_ranks, _sum_over_ranks, copy_bandwidth, fmt_size,  # noqa: E402
-                       machine_info, parse_size, run_world)
+from allreduce import (_max_over_ranks, _sum_over_ranks, copy_bandwidth, finish,  # noqa: E402
+                       fmt_size, machine_info, parse_size, run_world)
 
 DEFAULT_SIZES = "4K,64K,1M,16M,64M"
 DEFAULT_P2P_SIZES = "4,64,1K,16K,256K,1M,4M,16M,64M"
@@ -383,13 +382,7 @@ def main() -> None:
         job = argparse.Namespace(**{**vars(args), "transport": transport, "sections": sections})
         run_world(world, job, on_row, target=_rank_main)
         print()
-    wrong = sum(r[lib]["wrong"] for r in rows for lib in LIBS[r["section"]])
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": info, "args": vars(args), "rows": rows}, f, indent=1)
-        print(f"wrote {args.json}")
-    if wrong:
-        raise SystemExit(f"{wrong} wrong elements in the correctness checks")
+    finish(args, info, rows, sum(r[lib]["wrong"] for r in rows for lib in LIBS[r["section"]]))
 
 
 if __name__ == "__main__":

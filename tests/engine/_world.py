@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from torchring import _build, _rendezvous
+from torchring import CollectiveMismatchError, _build, _rendezvous
 from torchring._settings import Settings
 from torchring._types import OpKind, ReduceOp
 
@@ -100,3 +100,12 @@ def payload(key: int, numel: int, dtype: torch.dtype, shape: tuple[int, ...] | N
         mod, off = _PAYLOAD_RANGE.get(dtype, (1_000_003, 500_000))
         x = h % mod - off
     return x.to(dtype).reshape(shape if shape is not None else (numel,))
+
+
+def mismatch_text(work: Any) -> str | None:
+    """The CollectiveMismatchError text wait() raises, or None when the operation succeeded."""
+    try:
+        work.wait()
+    except CollectiveMismatchError as e:
+        return str(e)
+    return None

@@ -14,9 +14,8 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
-import torchring
 from _checks import Checker, expected_allreduce, rank_input, reference
-from _world import run_world, submit
+from _world import mismatch_text, run_world, submit
 from test_mismatch import MISMATCHES, Call, expected_pair, message_problem
 from torchring._types import OpKind, ReduceOp
 
@@ -86,13 +85,6 @@ def _submit_call(comm: Any, call: Call, rank: int, world: int, inline: bool) -> 
     return submit(comm, OpKind[kind.upper()], t, ReduceOp[op], root, inline)
 
 
-def _wait_error(work: Any) -> str | None:
-    try:
-        work.wait()
-    except torchring.CollectiveMismatchError as e:
-        return str(e)
-    return None
-
 
 def _check(chk: Checker, f: Followup, result: Any, when: str) -> None:
     chk.equal(f"{f.what} {when}", f.tensor if f.in_place else result, f.want)
@@ -104,7 +96,7 @@ def _job(rank: int, comm: Any, world: int, odd: int) -> tuple[dict[str, list[str
     errors: dict[str, list[str | None]] = {}
     for case, (agree, differ, _) in MISMATCHES.items():
         calls = differ if rank == odd else agree
-        errors[case] = [_wait_error(_submit_call(comm, c, rank, world, True)) for c in calls]
+        errors[case] = [mismatch_text(_submit_call(comm, c, rank, world, True)) for c in calls]
         for f in _followups(rank, world, comm):
             result = submit(comm, f.kind, f.tensor, f.op, f.root).wait()
             _check(chk, f, result, f"after the {case} mismatch")
@@ -113,7 +105,7 @@ def _job(rank: int, comm: Any, world: int, odd: int) -> tuple[dict[str, list[str
         bad = [_submit_call(comm, c, rank, world, False) for c in calls]
         followups = _followups(rank, world, comm)
         works = [submit(comm, f.kind, f.tensor, f.op, f.root, inline=False) for f in followups]
-        errors[f"async {case}"] = [_wait_error(w) for w in bad]
+        errors[f"async {case}"] = [mismatch_text(w) for w in bad]
         for f, w in zip(followups, works):
             _check(chk, f, w.wait(), f"queued behind the async {case} mismatch")
     return errors, chk.failures

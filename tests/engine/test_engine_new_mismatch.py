@@ -15,7 +15,7 @@ import torch
 
 import torchring
 from _checks import Checker, expected_allreduce, rank_input, reference
-from _world import payload, run_world, submit_op
+from _world import mismatch_text, payload, run_world, submit_op
 from torchring._types import OpKind, ReduceOp
 
 # name -> (host of each rank, transport, the odd rank, (sender, receiver) pairs for send/recv:
@@ -131,13 +131,6 @@ ASYNC_CASES = ["gather shape", "alltoall recv splits", "allreduce_many sizes"]
 SPLITS_SUM = Case(_splits_sum, lambda w: [rf"\b{11 * w}\b", rf"\b{11 * w + 1}\b"], False)
 
 
-def _wait_error(work: Any) -> str | None:
-    try:
-        work.wait()
-    except torchring.CollectiveMismatchError as e:
-        return str(e)
-    return None
-
 
 def _followups(comm: Any, rank: int, world: int, inline: bool) -> list[tuple[str, Any, torch.Tensor]]:
     """Exact multi-segment operations queued after a mismatch: (what, Work, expected result)."""
@@ -172,9 +165,9 @@ def _p2p_followup(chk: Checker, comm: Any, rank: int, a: int, b: int, tag: int) 
 def _p2p_size_mismatch(comm: Any, rank: int, a: int, b: int) -> str | None:
     """a sends int32[10] with tag 3, b receives int32[12]: both must fail."""
     if rank == a:
-        return _wait_error(comm.send(torch.ones(10, dtype=torch.int32), b, 3))
+        return mismatch_text(comm.send(torch.ones(10, dtype=torch.int32), b, 3))
     if rank == b:
-        return _wait_error(comm.recv(torch.empty(12, dtype=torch.int32), a, 3))
+        return mismatch_text(comm.recv(torch.empty(12, dtype=torch.int32), a, 3))
     return "not involved"
 
 
@@ -183,13 +176,13 @@ def _job(rank: int, comm: Any, world: int, odd: int,
     chk = Checker(rank)
     errors: dict[str, str | None] = {}
     for name, case in CASES.items():
-        errors[name] = _wait_error(case.call(comm, rank, world, odd, True))
+        errors[name] = mismatch_text(case.call(comm, rank, world, odd, True))
         for what, work, want in _followups(comm, rank, world, True):
             chk.equal(f"{what} after the {name} mismatch", work.wait(), want)
     for name in ASYNC_CASES:
         bad = CASES[name].call(comm, rank, world, odd, False)
         followups = _followups(comm, rank, world, False)
-        errors[f"queued {name}"] = _wait_error(bad)
+        errors[f"queued {name}"] = mismatch_text(bad)
         for what, work, want in followups:
             chk.equal(f"{what} queued behind the {name} mismatch", work.wait(), want)
     for a, b in pairs:
@@ -247,7 +240,7 @@ def test_alltoall_splits_not_summing_to_dim0_fail_every_rank(hosts: str, transpo
     def job(rank: int, comm: Any) -> tuple[str | None, list[str]]:
         chk = Checker(rank)
         try:
-            error = _wait_error(SPLITS_SUM.call(comm, rank, world, odd, True))
+            error = mismatch_text(SPLITS_SUM.call(comm, rank, world, odd, True))
         except (ValueError, torchring.CommunicatorFailedError) as e:
             # refused on the odd rank alone: its peers wait for it and the communicator fails
             return f"{type(e).__name__}: {e}", chk.failures

@@ -115,6 +115,15 @@ void setWarningSink(std::function<void(const std::string&)> sink);
 
 using Clock = std::chrono::steady_clock;
 
+// One pause of a busy-wait loop (lets the sibling hyperthread run, saves power).
+inline void cpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
 inline double secondsSince(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }

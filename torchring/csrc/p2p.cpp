@@ -98,16 +98,6 @@ std::string P2P::describe(const Pending& op) const {
          std::to_string(op.tag) + ", " + op.what + ")";
 }
 
-namespace {
-inline void cpuRelax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
-}  // namespace
-
 // New connections wait in intros_ until their introduction arrived (read without blocking,
 // so a silent client cannot stall the progress thread); one that says nothing for 5 s is
 // dropped.

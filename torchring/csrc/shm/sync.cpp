@@ -22,14 +22,6 @@ namespace {
 
 constexpr double kCheckInterval = 0.05;  // seconds between liveness/timeout checks
 
-inline void cpuRelax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
-
 void futexWait(std::atomic<uint32_t>* word, uint32_t expected, long nanos) {
   timespec ts{0, nanos};
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
