@@ -18,6 +18,7 @@ A single-thread `copy_` of 256 MiB (STREAM counting: read + write) is the memory
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import multiprocessing as mp
@@ -28,7 +29,7 @@ import statistics
 import sys
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -132,14 +133,31 @@ def measure(lib: Lib, rank: int, world: int, count: int, dtype: torch.dtype, tri
             "wrong": wrong, "iters": iters, "trial_us": [x * 1e6 for x in times], "rank0_cores": cores}
 
 
+def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """What a launcher gives one spawned rank of a one-host job (rendezvous on the parent's store)."""
+    return dict(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
+
+
+@contextlib.contextmanager
+def reporting(rank: int, queue: Any) -> Iterator[None]:
+    """A rank's body: rank 0 reports ("done", None) when it ends, a failure goes to the parent."""
+    try:
+        yield
+        if rank == 0:
+            queue.put(("done", None))
+    except BaseException:
+        queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
+        raise
+
+
 def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any) -> None:
     """One rank: join gloo and torchring, sweep dtypes x sizes, rank 0 reports each row."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
+    os.environ.update(rank_env(rank, world, port))
     if args.transport != "auto":
         os.environ["TORCHRING_TRANSPORT"] = args.transport
-    try:
+    with reporting(rank, queue):
         import torch.distributed as dist
 
         torch.set_num_threads(1)
@@ -173,11 +191,6 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, queue
         if "torchring" in args.libs:
             torchring.shutdown()
         dist.destroy_process_group()
-        if rank == 0:
-            queue.put(("done", None))
-    except BaseException:
-        queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
-        raise
 
 
 def run_world(world: int, args: argparse.Namespace, on_row: Callable[[dict], None],

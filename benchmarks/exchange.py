@@ -47,14 +47,13 @@ import socket
 import statistics
 import sys
 import time
-import traceback
 from typing import Any, Callable
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from allreduce import (_max_over_ranks, _sum_over_ranks, copy_bandwidth, finish,  # noqa: E402
-                       fmt_size, machine_info, parse_size, run_world)
+                       fmt_size, machine_info, parse_size, rank_env, reporting, run_world)
 
 DEFAULT_SIZES = "4K,64K,1M,16M,64M"
 DEFAULT_P2P_SIZES = "4,64,1K,16K,256K,1M,4M,16M,64M"
@@ -240,10 +239,8 @@ def groups_point(rank: int, world: int, args: argparse.Namespace) -> dict[str, A
 
 def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any) -> None:
     """One rank: join gloo and torchring with args.transport, run args.sections, rank 0 reports."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHRING_TRANSPORT=args.transport,
-                      TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
-    try:
+    os.environ.update(rank_env(rank, world, port), TORCHRING_TRANSPORT=args.transport)
+    with reporting(rank, queue):
         import torch.distributed as dist
         import torchring
 
@@ -263,11 +260,6 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, queue
                     queue.put(("row", {"section": section, "world": world, **head, **row}))
         torchring.shutdown()
         dist.destroy_process_group()
-        if rank == 0:
-            queue.put(("done", None))
-    except BaseException:
-        queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
-        raise
 
 
 LIBS = {"alltoall": ("torchring", "tr_single", "gloo"), "p2p": ("torchring", "gloo"), "groups": ("torchring", "gloo")}

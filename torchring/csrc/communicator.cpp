@@ -330,11 +330,15 @@ void Communicator::onP2PFailure(const std::string& message) {
   }
   if (shm_) shm_->abort(message);
   if (tcp_) tcp_->interrupt();
-  if (board_.post) {
-    auto post = board_.post;
-    const int rank = opt_.rank;
-    withDeadline([post, rank, message] { post(rank, message); return std::string(); }, 1.0, "");
-  }
+  postFailure(message);
+}
+
+// Tells the others why through the failure board, without waiting long on the store.
+void Communicator::postFailure(const std::string& message) {
+  if (!board_.post) return;
+  auto post = board_.post;
+  const int rank = opt_.rank;
+  withDeadline([post, rank, message] { post(rank, message); return std::string(); }, 1.0, "");
 }
 
 std::shared_ptr<CpuWork> Communicator::submitCheck(OpKind kind, const at::Tensor& like, ReduceOp op,
@@ -443,11 +447,7 @@ void Communicator::execute(Op& op) {
     if (shm_) shm_->abort(failure);
     if (tcp_) tcp_->close();
     if (p2p_) p2p_->fail(failure);
-    if (board_.post) {  // tell the others why, without waiting long on the store
-      auto post = board_.post;
-      const int rank = opt_.rank;
-      withDeadline([post, rank, failure] { post(rank, failure); return std::string(); }, 1.0, "");
-    }
+    postFailure(failure);
     error = std::make_exception_ptr(CommFailedError(failure + "; " + kRecoveryHint));
   }
   op.tensor = at::Tensor();
