@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 _NCCL_KINDS = (OpKind.ALLREDUCE, OpKind.BROADCAST, OpKind.ALLGATHER, OpKind.REDUCE_SCATTER)
-_IN_PLACE = ("ALLREDUCE", "BROADCAST", "REDUCE", "SCATTER")  # kinds whose result is their input
+_IN_PLACE = (OpKind.ALLREDUCE, OpKind.BROADCAST, OpKind.REDUCE, OpKind.SCATTER)  # result = input
 
 
 def _check_tensor(t: Any, what: str, tg: Target, name: str = "tensor") -> torch.Tensor:
@@ -157,7 +157,7 @@ def _staged(kind: OpKind, t: torch.Tensor, op: int, root: int, inline: bool, wha
     """Runs a collective of a CUDA tensor on the CPU engine through a pinned host copy."""
     host = _pinned_copy(t)
     back: Callable[[torch.Tensor], torch.Tensor]
-    if kind.name in _IN_PLACE:
+    if kind in _IN_PLACE:
         back = t.copy_  # in place, like the CPU form
     else:
         back = lambda out: out.to(t.device)  # noqa: E731  a new tensor, like the CPU form
