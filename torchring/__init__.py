@@ -23,6 +23,7 @@ from .rooted import (allgather_into, allgather_into_async, allreduce_many, allre
                      reduce_scatter_into_async, scatter, scatter_async)
 from .memory import empty
 from .model import DistributedModel, wrap
+from .sync_batch_norm import SyncBatchNorm
 
 __version__ = "0.1.0"
 
@@ -39,4 +40,5 @@ __all__ = [
     "allgather_into", "allgather_into_async", "reduce_scatter_into", "reduce_scatter_into_async",
     "allreduce_many", "allreduce_many_async",
     "alltoall", "alltoall_async", "all_to_all_single", "all_to_all_single_async",
+    "SyncBatchNorm",
 ]

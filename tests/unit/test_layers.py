@@ -21,7 +21,7 @@ LAYERS = [
     {"memory"},
     {"buckets"},
     {"reducer"},
-    {"model"},
+    {"model", "sync_batch_norm"},
     {"data"},
 ]
 
