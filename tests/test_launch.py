@@ -1,6 +1,7 @@
 """End to end through the real launchers: torchring-run and torchrun start the examples,
-failures stop the whole job quickly with the first failing rank's exit code, and a killed
-job restarts from its checkpoint to the same final model as an uninterrupted run."""
+failures stop the whole job quickly with the first failing rank's exit code, a killed job
+restarts from its checkpoint to the same final model as an uninterrupted run, and a
+horovodrun command line (-H, the HOROVOD_* flags, a leading python) runs unchanged."""
 
 from __future__ import annotations
 
@@ -113,3 +114,38 @@ def test_ctrl_c_stops_every_rank(tmp_path: Path) -> None:
         pid = int((tmp_path / f"pid{rank}").read_text())
         alive = os.path.exists(f"/proc/{pid}") and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
         assert not alive, f"rank {rank} (pid {pid}) survived Ctrl-C"
+
+
+_SHOW_ENV = """
+import os
+names = ["RANK", "HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME", "HOROVOD_TIMELINE",
+         "HOROVOD_TIMELINE_MARK_CYCLES", "HOROVOD_LOG_LEVEL", "TORCHRING_TIMEOUT"]
+print("seen " + " ".join(f"{n}={os.environ.get(n)}" for n in names))
+"""
+
+
+def test_horovodrun_command_line_runs_unchanged(tmp_path: Path) -> None:
+    script = tmp_path / "show_env.py"
+    script.write_text(_SHOW_ENV)
+    code, out, _ = _run(_launcher() + ["-H", "localhost:2", "--gloo", "--verbose", "--fusion-threshold-mb", "2",
+                                       "--cycle-time-ms", "3.5", "--timeline-filename", "tl.json",
+                                       "--timeline-mark-cycles", "--start-timeout", "40", "python", str(script)],
+                        tmp_path)
+    assert code == 0, out
+    for rank in range(2):
+        assert (f"seen RANK={rank} HOROVOD_FUSION_THRESHOLD={2 * 1024 * 1024} HOROVOD_CYCLE_TIME=3.5 "
+                "HOROVOD_TIMELINE=tl.json HOROVOD_TIMELINE_MARK_CYCLES=1 HOROVOD_LOG_LEVEL=debug "
+                "TORCHRING_TIMEOUT=40") in out, out
+    assert "--gloo ignored" in out and "running torch.distributed.run" in out
+
+
+def test_any_program_runs_in_each_rank(tmp_path: Path) -> None:
+    code, out, _ = _run(_launcher() + ["-np", "2", "--no-prefix", "bash", "-c", "echo rank $RANK of $WORLD_SIZE"],
+                        tmp_path)
+    assert code == 0, out
+    assert sorted(line for line in out.splitlines() if line.startswith("rank ")) == ["rank 0 of 2", "rank 1 of 2"]
+
+
+def test_another_host_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    code, out, _ = _run(_launcher() + ["-H", "localhost:1,node-b:1", "python", "train.py"], tmp_path)
+    assert code == 2 and "multi-host -H/--hostfile (over ssh) is not supported yet" in out, out

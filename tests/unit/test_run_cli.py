@@ -1,9 +1,14 @@
-"""torchring-run's pure parts: the torchrun command line it builds, and the exit code and
-message it derives from torch's ChildFailedError (which rank failed first), without a process."""
+"""torchring-run's pure parts: the torchrun command line it builds, the exit code and
+message it derives from torch's ChildFailedError (which rank failed first), and horovodrun's
+flags (hosts and slots, the variables the ranks get, a leading python), without a process."""
 
 from __future__ import annotations
 
+import argparse
 import signal
+import socket
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -70,3 +75,149 @@ def test_usage_errors_exit_2_before_anything_starts(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as caught:
         run.main(argv)
     assert caught.value.code == 2
+
+
+# horovodrun's flags ---------------------------------------------------------------------------
+
+def _parsed(argv: list[str]) -> object:
+    parser = run._parser()
+    args = parser.parse_args(argv)
+    run._resolve(parser, args)
+    return args
+
+
+@pytest.mark.parametrize("spec,hosts", [
+    ("localhost:4", [("localhost", 4)]),
+    ("localhost:2, 127.0.0.1:3", [("localhost", 2), ("127.0.0.1", 3)]),
+    ("server1", [("server1", 1)]),
+    ("[::1]:2,::1", [("::1", 2), ("::1", 1)]),
+])
+def test_hosts_parse_as_horovodrun_writes_them(spec: str, hosts: list[tuple[str, int]]) -> None:
+    assert run.parse_hosts(spec) == hosts
+
+
+@pytest.mark.parametrize("spec", ["localhost:0", "localhost:four", ":2", ",", "[::1]:x"])
+def test_bad_hosts_say_what_is_expected(spec: str) -> None:
+    with pytest.raises(ValueError, match="host:slots"):
+        run.parse_hosts(spec)
+
+
+def test_this_host_under_any_of_its_names_counts_its_slots() -> None:
+    hostname = socket.gethostname()
+    hosts = [("localhost", 1), ("127.0.0.1", 2), (hostname, 3), ("::1", 4)]
+    assert run.local_slots(hosts) == 10
+
+
+def test_another_host_says_how_to_run_several_hosts_today() -> None:
+    with pytest.raises(ValueError) as caught:
+        run.local_slots([("localhost", 2), ("gpu-node-17.example", 4)])
+    text = str(caught.value)
+    assert "gpu-node-17.example" in text and "not supported yet" in text
+    assert "torchrun --nnodes" in text and "--rdzv-endpoint" in text
+
+
+def test_np_defaults_to_the_slots_and_may_use_fewer(tmp_path: Path) -> None:
+    assert _parsed(["-H", "localhost:3", "train.py"]).num_proc == 3
+    assert _parsed(["-np", "2", "-H", "localhost:3", "train.py"]).num_proc == 2
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# this machine\nlocalhost slots=2\n\n127.0.0.1 slots=2  # again\n")
+    assert _parsed(["--hostfile", str(hostfile), "python", "train.py"]).num_proc == 4
+    assert _parsed(["-hostfile", str(hostfile), "train.py"]).num_proc == 4
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["-H", "localhost:2,elsewhere:2", "train.py"], "names other hosts (elsewhere)"),
+    (["-np", "5", "-H", "localhost:4", "train.py"], "-np 5 is more than the 4 slots"),
+    (["-np", "2", "python"], "give the script after python"),
+    (["-np", "2", "--fusion-threshold-mb", "-1", "train.py"], "expected a number >= 0"),
+    (["-np", "2", "--start-timeout", "0", "train.py"], "--start-timeout"),
+    (["-np", "2", "--start-timeout", "9999999", "train.py"], "TORCHRING_TIMEOUT='9999999'"),
+    (["-np", "2", "--log-level", "loud", "train.py"], "--log-level"),
+    (["-H", "localhost:0", "train.py"], "not host:slots"),
+])
+def test_bad_horovodrun_flags_exit_2_naming_the_problem(argv: list[str], message: str,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        _parsed(argv)
+    assert caught.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_hostfile_line_that_is_not_host_slots_is_named(tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=2\nlocalhost 4\n")
+    with pytest.raises(SystemExit):
+        _parsed(["--hostfile", str(hostfile), "train.py"])
+    assert "line 2: 'localhost 4' is not 'host slots=N'" in capsys.readouterr().err
+
+
+def test_flags_become_the_variables_horovodrun_sets() -> None:
+    args = _parsed(["-np", "2", "--fusion-threshold-mb", "32", "--cycle-time-ms", "2.5",
+                    "--cache-capacity", "0", "--timeline-filename", "t.json", "--timeline-mark-cycles",
+                    "--no-stall-check", "--stall-check-warning-time-seconds", "20",
+                    "--stall-check-shutdown-time-seconds", "90.5", "--start-timeout", "45", "train.py"])
+    assert run.rank_env(args) == {
+        "HOROVOD_FUSION_THRESHOLD": str(32 * 1024 * 1024), "HOROVOD_CYCLE_TIME": "2.5",
+        "HOROVOD_CACHE_CAPACITY": "0", "HOROVOD_TIMELINE": "t.json", "HOROVOD_TIMELINE_MARK_CYCLES": "1",
+        "HOROVOD_STALL_CHECK_DISABLE": "1", "HOROVOD_STALL_CHECK_TIME_SECONDS": "20",
+        "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "90.5", "TORCHRING_TIMEOUT": "45"}
+    assert run.rank_env(_parsed(["-np", "2", "train.py"])) == {}
+    assert run.rank_env(_parsed(["-np", "2", "--fusion-threshold-mb", "0.5", "t.py"])) == {
+        "HOROVOD_FUSION_THRESHOLD": str(512 * 1024)}
+
+
+def test_verbose_asks_for_debug_logs_unless_a_level_is_given() -> None:
+    assert run.rank_env(_parsed(["-np", "2", "--verbose", "t.py"])) == {"HOROVOD_LOG_LEVEL": "debug"}
+    assert run.rank_env(_parsed(["-np", "2", "--verbose", "--log-level", "WARNING", "t.py"])) == {
+        "HOROVOD_LOG_LEVEL": "warning"}
+
+
+def test_gloo_mpi_and_interfaces_are_accepted_with_a_note(capsys: pytest.CaptureFixture[str]) -> None:
+    args = _parsed(["-np", "2", "--gloo", "--network-interfaces", "eth0,eth1", "python", "t.py"])
+    err = capsys.readouterr().err
+    assert "--gloo ignored" in err and "--network-interfaces eth0,eth1 has no effect" in err
+    assert run.rank_env(args) == {}
+    _parsed(["-np", "2", "--mpi", "t.py"])
+    assert "--mpi ignored" in capsys.readouterr().err
+
+
+def _launched(argv: list[str]) -> argparse.Namespace:
+    """What torch.distributed.run makes of torchring-run's command line."""
+    return torchrun.get_args_parser().parse_args(run.torchrun_args(_parsed(["-np", "2", *argv])))
+
+
+def test_a_leading_python_runs_the_script_with_this_interpreter() -> None:
+    for python in ("python", "python3", "python3.12", sys.executable):
+        parsed = _launched([python, "train.py", "--epochs", "3"])
+        assert (parsed.training_script, parsed.training_script_args) == ("train.py", ["--epochs", "3"])
+        assert not parsed.no_python and not parsed.module
+    parsed = _launched(["python", "-u", "train.py"])  # torchrun runs python -u anyway
+    assert (parsed.training_script, parsed.no_python) == ("train.py", False)
+
+
+def test_python_m_runs_a_module() -> None:
+    parsed = _launched(["python", "-m", "pkg.train", "--lr", "0.1"])
+    assert parsed.module and (parsed.training_script, parsed.training_script_args) == ("pkg.train", ["--lr", "0.1"])
+
+
+def test_other_interpreters_flags_and_programs_run_as_given(tmp_path: Path) -> None:
+    parsed = _launched(["python", "-O", "train.py"])
+    assert parsed.no_python and [parsed.training_script, *parsed.training_script_args] == ["python", "-O", "train.py"]
+    other = str(tmp_path / "python3.8")  # an interpreter named by path, not this one
+    parsed = _launched([other, "train.py"])
+    assert parsed.no_python and parsed.training_script == other
+    parsed = _launched(["bash", "-c", "echo $RANK"])
+    assert parsed.no_python and [parsed.training_script, *parsed.training_script_args] == ["bash", "-c", "echo $RANK"]
+
+
+def test_existing_files_run_with_python_unless_they_are_other_executables(tmp_path: Path) -> None:
+    shell, py, plain = tmp_path / "run.sh", tmp_path / "tool", tmp_path / "train.py"
+    shell.write_text("#!/bin/sh\necho hi\n")
+    py.write_text("#!/usr/bin/env python3\nprint('hi')\n")
+    plain.write_text("print('hi')\n")
+    for path in (shell, py, plain):
+        path.chmod(0o755)
+    assert _launched([str(shell), "x"]).no_python
+    assert not _launched([str(py), "x"]).no_python
+    assert not _launched([str(plain), "x"]).no_python
