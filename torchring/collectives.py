@@ -29,7 +29,7 @@ import torch
 
 from . import _context, _gpu_path
 from ._groups import GroupBase, Target, target
-from ._types import DTYPES, FLOATS, Handle, OpKind, ReduceOp, describe, dtype_name
+from ._types import DTYPES, FLOATS, Handle, OpKind, ReduceOp, describe, dtype_name, profiled
 
 __all__ = [
     "ReduceOp", "Handle", "allreduce", "allreduce_async", "broadcast", "broadcast_async",
@@ -213,12 +213,14 @@ def _allreduce(tensor: torch.Tensor, op: ReduceOp, prescale: float, postscale: f
     return _run(OpKind.ALLREDUCE, t, op, -1, inline, what, tg, **kw)
 
 
+@profiled
 def allreduce_async(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, prescale_factor: float = 1.0,
                     postscale_factor: float = 1.0, group: GroupBase | None = None) -> Handle:
     """Starts an in-place allreduce of `tensor`; wait() returns `tensor`."""
     return _allreduce(tensor, op, prescale_factor, postscale_factor, group, "allreduce_async", False)
 
 
+@profiled
 def allreduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, prescale_factor: float = 1.0,
               postscale_factor: float = 1.0, group: GroupBase | None = None) -> torch.Tensor:
     """Reduces `tensor` across ranks in place (each input times prescale_factor, the result
@@ -234,11 +236,13 @@ def _broadcast(tensor: torch.Tensor, src: int, group: GroupBase | None, what: st
     return _run(OpKind.BROADCAST, t, 0, src, inline, what, tg)
 
 
+@profiled
 def broadcast_async(tensor: torch.Tensor, src: int = 0, group: GroupBase | None = None) -> Handle:
     """Starts copying rank `src`'s `tensor` into every rank's `tensor`."""
     return _broadcast(tensor, src, group, "broadcast_async", False)
 
 
+@profiled
 def broadcast(tensor: torch.Tensor, src: int = 0, group: GroupBase | None = None) -> torch.Tensor:
     """Copies rank `src`'s `tensor` into every rank's `tensor` and returns it."""
     return _broadcast(tensor, src, group, "broadcast", True).wait()
@@ -251,11 +255,13 @@ def _allgather(tensor: torch.Tensor, group: GroupBase | None, what: str, inline:
     return _run(OpKind.ALLGATHER, t, 0, -1, inline, what, tg)
 
 
+@profiled
 def allgather_async(tensor: torch.Tensor, group: GroupBase | None = None) -> Handle:
     """Starts an allgather; wait() returns every rank's tensor concatenated along dim 0."""
     return _allgather(tensor, group, "allgather_async", False)
 
 
+@profiled
 def allgather(tensor: torch.Tensor, group: GroupBase | None = None) -> torch.Tensor:
     """Concatenates every rank's `tensor` along dim 0 (its size may differ per rank)."""
     return _allgather(tensor, group, "allgather", True).wait()
@@ -278,6 +284,7 @@ def _reduce_scatter(tensor: torch.Tensor, op: ReduceOp, prescale: float, postsca
     return _run(OpKind.REDUCE_SCATTER, t, op, -1, inline, what, tg, nccl=even, **kw)
 
 
+@profiled
 def reduce_scatter_async(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
                          prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                          group: GroupBase | None = None) -> Handle:
@@ -286,6 +293,7 @@ def reduce_scatter_async(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
                            "reduce_scatter_async", False)
 
 
+@profiled
 def reduce_scatter(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, prescale_factor: float = 1.0,
                    postscale_factor: float = 1.0, group: GroupBase | None = None) -> torch.Tensor:
     """Reduces `tensor` across ranks and returns this rank's rows of the result: dim 0 split
@@ -299,11 +307,13 @@ def _barrier(group: GroupBase | None, what: str, inline: bool) -> Handle:
     return Handle(_submit(OpKind.BARRIER, None, 0, -1, inline, what, tg))
 
 
+@profiled
 def barrier_async(group: GroupBase | None = None) -> Handle:
     """Starts a barrier; wait() returns once every rank has reached it."""
     return _barrier(group, "barrier_async", False)
 
 
+@profiled
 def barrier(group: GroupBase | None = None) -> None:
     """Returns once every rank has called barrier()."""
     _barrier(group, "barrier", True).wait()
@@ -313,6 +323,7 @@ def _to_bytes_tensor(obj: Any) -> torch.Tensor:
     return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
 
 
+@profiled
 def broadcast_object(obj: Any, src: int = 0, group: GroupBase | None = None) -> Any:
     """Returns rank `src`'s picklable `obj` on every rank."""
     tg = target(group, "broadcast_object")
@@ -326,6 +337,7 @@ def broadcast_object(obj: Any, src: int = 0, group: GroupBase | None = None) -> 
     return obj if mine else pickle.loads(buffer.numpy().tobytes())
 
 
+@profiled
 def allgather_object(obj: Any, group: GroupBase | None = None) -> list[Any]:
     """Returns the list of every rank's picklable `obj`, indexed by (group) rank."""
     payload = _to_bytes_tensor(obj)

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import torch
 
 from ._groups import GroupBase, target
-from ._types import Handle, OpKind, describe
+from ._types import Handle, OpKind, describe, profiled
 from .collectives import _check_rows, _check_tensor, _host, _overlap, _submit
 
 __all__ = ["alltoall", "alltoall_async", "all_to_all_single", "all_to_all_single_async"]
@@ -68,12 +68,14 @@ def _alltoall(tensor: torch.Tensor, splits: Splits, group: GroupBase | None, wha
     return Handle(work, lambda out: (out.to(device), recv_splits))
 
 
+@profiled
 def alltoall_async(tensor: torch.Tensor, splits: Splits = None,
                    group: GroupBase | None = None) -> Handle:
     """Starts an alltoall; wait() returns (output, received_splits)."""
     return _alltoall(tensor, splits, group, "alltoall_async", False)
 
 
+@profiled
 def alltoall(tensor: torch.Tensor, splits: Splits = None,
              group: GroupBase | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sends splits[r] rows of dim 0 (in order; equal blocks for None) to rank r; returns the rows
@@ -103,6 +105,7 @@ def _all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_splits:
     return Handle(_submit(OpKind.ALLTOALL, _host(i), 0, -1, inline, what, tg, **kw), o.copy_)
 
 
+@profiled
 def all_to_all_single_async(output: torch.Tensor, input: torch.Tensor, output_splits: Splits = None,
                             input_splits: Splits = None, group: GroupBase | None = None) -> Handle:
     """Starts an all_to_all_single; wait() returns `output`."""
@@ -110,6 +113,7 @@ def all_to_all_single_async(output: torch.Tensor, input: torch.Tensor, output_sp
                               "all_to_all_single_async", False)
 
 
+@profiled
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_splits: Splits = None,
                       input_splits: Splits = None, group: GroupBase | None = None) -> torch.Tensor:
     """Sends input_splits[r] rows of `input` to rank r, receiving output_splits[r] rows from rank r

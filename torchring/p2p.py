@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ._groups import GroupBase, Target, target
-from ._types import Handle
+from ._types import Handle, profiled
 from .collectives import _check_rank, _check_tensor, _host
 
 __all__ = ["send", "recv", "isend", "irecv"]
@@ -55,21 +55,25 @@ def _recv(tensor: torch.Tensor, src: int, tag: int, group: GroupBase | None, wha
     return Handle(tg.comm.recv(host, src, tag), t.copy_)
 
 
+@profiled
 def isend(tensor: torch.Tensor, dst: int, tag: int = 0, group: GroupBase | None = None) -> Handle:
     """Starts sending `tensor` to rank `dst` (keep it unchanged until wait()); wait() returns None."""
     return _send(tensor, dst, tag, group, "isend")
 
 
+@profiled
 def send(tensor: torch.Tensor, dst: int, tag: int = 0, group: GroupBase | None = None) -> None:
     """Sends `tensor` to rank `dst`; returns once its matching recv took it."""
     _send(tensor, dst, tag, group, "send").wait()
 
 
+@profiled
 def irecv(tensor: torch.Tensor, src: int, tag: int = 0, group: GroupBase | None = None) -> Handle:
     """Starts receiving rank `src`'s next send with `tag` into `tensor`; wait() returns `tensor`."""
     return _recv(tensor, src, tag, group, "irecv")
 
 
+@profiled
 def recv(tensor: torch.Tensor, src: int, tag: int = 0, group: GroupBase | None = None) -> torch.Tensor:
     """Receives rank `src`'s next send with `tag` into `tensor` and returns it."""
     return _recv(tensor, src, tag, group, "recv").wait()

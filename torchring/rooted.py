@@ -14,7 +14,7 @@ import torch
 
 from ._errors import CollectiveMismatchError
 from ._groups import GroupBase, Target, target
-from ._types import Handle, OpKind, ReduceOp, describe, dtype_name
+from ._types import Handle, OpKind, ReduceOp, describe, dtype_name, profiled
 from .collectives import (_check_op, _check_rank, _check_rows, _check_tensor, _host, _overlap,
                           _run, _scale_kwargs, _submit, _Works, rows_of)
 
@@ -63,12 +63,14 @@ def _reduce(tensor: torch.Tensor, dst: int, op: ReduceOp, group: GroupBase | Non
     return _run(OpKind.REDUCE, t, op, dst, inline, what, tg)
 
 
+@profiled
 def reduce_async(tensor: torch.Tensor, dst: int = 0, op: ReduceOp = ReduceOp.SUM,
                  group: GroupBase | None = None) -> Handle:
     """Starts a reduce into rank `dst`'s `tensor`; wait() returns `tensor`."""
     return _reduce(tensor, dst, op, group, "reduce_async", False)
 
 
+@profiled
 def reduce(tensor: torch.Tensor, dst: int = 0, op: ReduceOp = ReduceOp.SUM,
            group: GroupBase | None = None) -> torch.Tensor:
     """Reduces every rank's `tensor` into rank `dst`'s (others keep theirs) and returns it."""
@@ -88,11 +90,13 @@ def _gather(tensor: torch.Tensor, dst: int, group: GroupBase | None, what: str,
     return Handle(_submit(OpKind.GATHER, _host(t), 0, dst, inline, what, tg), finish)
 
 
+@profiled
 def gather_async(tensor: torch.Tensor, dst: int = 0, group: GroupBase | None = None) -> Handle:
     """Starts a gather; wait() returns on `dst` the list of every rank's tensor, None elsewhere."""
     return _gather(tensor, dst, group, "gather_async", False)
 
 
+@profiled
 def gather(tensor: torch.Tensor, dst: int = 0,
            group: GroupBase | None = None) -> list[torch.Tensor] | None:
     """Returns on rank `dst` every rank's `tensor` (same shape everywhere) by rank, None elsewhere."""
@@ -116,12 +120,14 @@ def _scatter(tensor: torch.Tensor, chunks: Any, src: int, group: GroupBase | Non
     return _run(OpKind.SCATTER, t, 0, src, inline, what, tg, **kw)
 
 
+@profiled
 def scatter_async(tensor: torch.Tensor, chunks: Sequence[torch.Tensor] | None = None, src: int = 0,
                   group: GroupBase | None = None) -> Handle:
     """Starts a scatter of `src`'s `chunks` into every rank's `tensor`; wait() returns `tensor`."""
     return _scatter(tensor, chunks, src, group, "scatter_async", False)
 
 
+@profiled
 def scatter(tensor: torch.Tensor, chunks: Sequence[torch.Tensor] | None = None, src: int = 0,
             group: GroupBase | None = None) -> torch.Tensor:
     """Copies rank `src`'s chunks[r] into rank r's `tensor` and returns it (chunks ignored elsewhere)."""
@@ -150,12 +156,14 @@ def _allgather_into(tensor_list: Any, tensor: torch.Tensor, group: GroupBase | N
     return Handle(_submit(OpKind.ALLGATHER, _host(one), 0, -1, inline, what, tg), finish)
 
 
+@profiled
 def allgather_into_async(tensor_list: list[torch.Tensor], tensor: torch.Tensor,
                          group: GroupBase | None = None) -> Handle:
     """Starts an allgather into `tensor_list`; wait() returns `tensor_list`."""
     return _allgather_into(tensor_list, tensor, group, "allgather_into_async", False)
 
 
+@profiled
 def allgather_into(tensor_list: list[torch.Tensor], tensor: torch.Tensor,
                    group: GroupBase | None = None) -> list[torch.Tensor]:
     """Copies rank r's `tensor` into tensor_list[r] on every rank and returns `tensor_list`."""
@@ -184,6 +192,7 @@ def _reduce_scatter_into(out: torch.Tensor, tensor: torch.Tensor, op: ReduceOp, 
     return Handle(work, o.copy_)
 
 
+@profiled
 def reduce_scatter_into_async(out: torch.Tensor, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
                               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                               group: GroupBase | None = None) -> Handle:
@@ -192,6 +201,7 @@ def reduce_scatter_into_async(out: torch.Tensor, tensor: torch.Tensor, op: Reduc
                                 "reduce_scatter_into_async", False)
 
 
+@profiled
 def reduce_scatter_into(out: torch.Tensor, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                         group: GroupBase | None = None) -> torch.Tensor:
@@ -236,6 +246,7 @@ def _allreduce_many(tensors: Any, op: ReduceOp, prescale: float, postscale: floa
     return Handle(_Works(works), finish)
 
 
+@profiled
 def allreduce_many_async(tensors: Sequence[torch.Tensor], op: ReduceOp = ReduceOp.SUM,
                          prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                          group: GroupBase | None = None) -> Handle:
@@ -244,6 +255,7 @@ def allreduce_many_async(tensors: Sequence[torch.Tensor], op: ReduceOp = ReduceO
                            "allreduce_many_async", False)
 
 
+@profiled
 def allreduce_many(tensors: Sequence[torch.Tensor], op: ReduceOp = ReduceOp.SUM,
                    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                    group: GroupBase | None = None) -> list[torch.Tensor]:
