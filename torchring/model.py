@@ -40,6 +40,7 @@ from torch.utils import _pytree
 from . import _context, _gpu_path, collectives, memory
 from ._errors import TorchringError
 from ._types import DTYPES, describe
+from .join import Join, Round
 from .reducer import Reducer
 
 __all__ = ["DistributedModel", "wrap"]
@@ -89,6 +90,7 @@ class DistributedModel(nn.Module):
         self._verify_and_broadcast()
         self._armed = False
         self._callback_queued = False
+        self._join: Join | None = None  # set inside `with model.join():` (join.py)
         self._hooks: list[Any] = []  # one list, filled in place: the finalizer below holds it
         weakref.finalize(self, _remove_hooks, self._hooks).atexit = False
         self._reducer: Reducer
@@ -171,11 +173,16 @@ class DistributedModel(nn.Module):
                 self._unfinished_backward()
         if torch.is_grad_enabled():
             sync = bool(self.require_backward_grad_sync)
-            if sync and any(p.requires_grad and id(p) not in self._trainable for p in self.module.parameters()):
+            retrain = sync and any(p.requires_grad and id(p) not in self._trainable
+                                   for p in self.module.parameters())
+            buffers = sync and self.training and self.broadcast_buffers
+            # Under join(), a round first: which ranks still have data (the lowest sends buffers).
+            src = self._join.begin_step(buffers, retrain).source if sync and self._join else 0
+            if retrain:
                 self._retrain_new_parameters()
-            if sync and self.training and self.broadcast_buffers:
+            if buffers:
                 with torch.no_grad():
-                    _broadcast_coalesced(list(self.module.buffers()))
+                    _broadcast_coalesced(list(self.module.buffers()), src)
             self._armed = sync
         out = self.module(*args, **kwargs)
         if self._armed and torch.is_grad_enabled():
@@ -247,6 +254,34 @@ class DistributedModel(nn.Module):
             yield
         finally:
             self.require_backward_grad_sync = previous
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """Context manager for uneven inputs: a rank out of batches answers the others' steps."""
+        if not divide_by_initial_world_size:
+            raise NotImplementedError(
+                f"rank {self._rank}: torchring.wrap: model.join(divide_by_initial_world_size=False) "
+                "is not supported: gradients are averaged over the whole world, ranks that joined "
+                "counting as zeros; scale the learning rate if you need the other average")
+        return Join(self, enable, throw_on_early_termination)
+
+    def _join_shadow(self, step: Round) -> None:
+        """A joined rank's part in one step of the active ranks (join.py): the buffer broadcast,
+        a gradient sync with zeros, and the one-time bucket rebuild after the first sync."""
+        if step.buffers:
+            with torch.no_grad():
+                _broadcast_coalesced(list(self.module.buffers()), step.source)
+        with _HOOK_LOCK:
+            self._reducer.shadow()
+        if not self._reducer.rebuilt:
+            self._setup_buckets(rebuild_by_ready_order=True)
+
+    def _join_final(self, src: int) -> None:
+        """After join(): every rank takes rank `src`'s parameters (and buffers if broadcast)."""
+        with torch.no_grad():
+            _broadcast_coalesced([p.data for p in self.module.parameters()], src)
+            if self.broadcast_buffers:
+                _broadcast_coalesced(list(self.module.buffers()), src)
 
     def bucket_stats(self) -> list[dict[str, Any]]:
         """Per bucket of the last synchronized backward: bytes, params, launch lead and wait."""

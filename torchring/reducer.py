@@ -252,6 +252,19 @@ class Reducer:
                             launch_before_backward_end_ms=(self._sync_end - b.launched_at) * 1e3,
                             wait_ms=b.waited * 1e3) for b in self._buckets]
 
+    def shadow(self) -> None:
+        """Takes part in one sync with nothing to contribute (a rank that has joined, join.py):
+        every bucket's allreduce and the used-map's, in launch order, on zeros; no .grad is
+        touched and the results are dropped."""
+        if self.in_progress:
+            raise RuntimeError(f"rank {self._rank}: {self._owner}: cannot shadow a sync while one "
+                               "is in progress; call finalize() or recover() first")
+        handles = [self._allreduce_async(torch.zeros_like(b.buffer if b.wire is None else b.wire),
+                                         ReduceOp.AVG) for b in self._buckets]
+        handles.append(self._allreduce_async(torch.zeros_like(self._used), ReduceOp.MAX))
+        for handle in handles:
+            handle.wait()
+
     def recover(self) -> int:
         """Abandons an unfinished sync: waits for what it launched, resets; how many buckets it launched."""
         launched = self._next_bucket

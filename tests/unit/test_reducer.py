@@ -464,3 +464,25 @@ def test_compression_leaves_buckets_of_the_wire_dtype_alone() -> None:
     assert sorted((n, str(d)) for _, n, d in world.launched(0)[:2]) == [
         (2, "torch.float16"), (3, "torch.float16")], world.launched(0)
     assert [s["bytes"] for s in reducer.bucket_stats()] == [4, 6]
+
+
+def test_a_joined_rank_shadows_a_sync_with_zeros_and_keeps_its_gradients() -> None:
+    """Rank 1 has joined (join.py): shadow() answers rank 0's sync with zeros, bucket by bucket
+    in launch order and in the wire dtype, leaving rank 1's own gradients as they were."""
+    world, ranks = _world(2, compression=torch.float16)
+    kept = _contribution("a", 1, 2)
+    ranks[1].params[0].grad = kept.clone()
+    for name in SHAPES:
+        ranks[0].give(name, _contribution(name, 0, 2))
+    ranks[0].reducer.launch_remaining()
+    ranks[1].reducer.shadow()
+    ranks[0].reducer.finalize()
+    assert world.launched(1) == world.launched(0)
+    assert [dtype for _, _, dtype in world.launched(1)] == [torch.float16] * 3 + [torch.uint8]
+    for name in SHAPES:
+        assert torch.equal(ranks[0].grad(name), _contribution(name, 0, 2) / 2), name
+    assert torch.equal(ranks[1].grad("a"), kept) and ranks[1].grad("b") is None
+    assert not ranks[1].reducer.in_progress
+    ranks[0].give("a", _contribution("a", 0, 2))
+    with pytest.raises(RuntimeError, match="cannot shadow a sync while one is in progress"):
+        ranks[0].reducer.shadow()
