@@ -103,14 +103,18 @@ def adopt_grad(p: torch.Tensor, view: torch.Tensor) -> None:
 def build(params: list[torch.nn.Parameter], names: list[str], order: list[int],
           first_cap: int, cap: int, compression: torch.dtype | None,
           allocate: Callable[[int, torch.dtype, torch.device], torch.Tensor] | None = None,
-          ) -> list[Bucket]:
+          assignment: list[list[int]] | None = None) -> list[Bucket]:
     """Allocates the buckets for `params` (with `allocate`, default: shared memory on the CPU)
-    and moves existing gradients into them."""
+    and moves existing gradients into them; `assignment` (index lists, in launch order) replaces
+    assign()'s grouping."""
     allocate = allocate or _flat
     sizes = [(p.numel() * p.element_size(), p.device, p.dtype) for p in params]
     buckets = []
-    for index, group in enumerate(assign(sizes, order, first_cap, cap)):
+    for index, group in enumerate(assignment if assignment is not None
+                                  else assign(sizes, order, first_cap, cap)):
         dtype, device = params[group[0]].dtype, params[group[0]].device
+        if any((params[i].dtype, params[i].device) != (dtype, device) for i in group):
+            raise ValueError(f"bucket {index} mixes dtypes or devices; one bucket holds one kind")
         total = sum(params[i].numel() for i in group)
         buffer = allocate(total, dtype, device)
         buffer.zero_()

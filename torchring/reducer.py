@@ -73,10 +73,13 @@ class Reducer:
                  compression: torch.dtype | None = None,
                  allreduce_async: AllreduceAsync | None = None,
                  agree_on_order: AgreeOnOrder | None = None, allocate: Allocate | None = None,
-                 rank: int | None = None, owner: str = "torchring.wrap") -> None:
+                 rank: int | None = None, owner: str = "torchring.wrap",
+                 assignment: Sequence[Sequence[int]] | None = None) -> None:
         """`allreduce_async` defaults to torchring.collectives.allreduce_async (looked up now),
         `agree_on_order` to rank 0's order, `allocate` to shared memory on the CPU; `rank` and
-        `owner` only name this process and the caller in messages."""
+        `owner` only name this process and the caller in messages. `assignment` (lists of
+        parameter indices, one device and dtype each, in launch order) fixes the buckets: the
+        caps and rebuild_by_ready_order() then do not apply (rebuild() drops it)."""
         self._caps = (int(first_bucket_cap_bytes), int(bucket_cap_bytes))
         self._compression = compression
         self._allreduce_async = allreduce_async or collectives.allreduce_async
@@ -85,7 +88,8 @@ class Reducer:
         self._rank = _context.rank() if rank is None else rank
         self._owner = owner
         self._ready_order: list[str] = []  # names, in the order gradients arrived (first sync)
-        self._rebuilt = False
+        self._assignment = [list(b) for b in assignment] if assignment is not None else None
+        self._rebuilt = assignment is not None
         self._stats: list[dict[str, Any]] = []
         self._layout(list(params), list(names), first=())
 
@@ -104,7 +108,7 @@ class Reducer:
         placed = set(order)
         order += [i for i in reversed(range(len(params))) if i not in placed]
         self._buckets = buckets.build(params, names, order, *self._caps, self._compression,
-                                      self._allocate)
+                                      self._allocate, self._assignment)
         self._slot: list[tuple[buckets.Bucket, int]] = [None] * len(params)  # type: ignore[list-item]
         for bucket in self._buckets:
             for j, i in enumerate(bucket.slots):
@@ -121,6 +125,7 @@ class Reducer:
                                "during a sync; call finalize() or recover() first")
         if params is None:
             params, names = self._params, self._names
+        self._assignment = None
         self._layout(list(params), list(names or []), first=order)
 
     def rebuild_by_ready_order(self, params: Sequence[torch.Tensor] | None = None,
