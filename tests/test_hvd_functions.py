@@ -208,6 +208,22 @@ def _fresh_and_errors(rank: int) -> None:
         assert frozen.grad is None and frozen not in opt.state
         assert all("momentum_buffer" in opt.state[p] for p in model.parameters())
 
+        # A DistributedOptimizer is initialized with its base class's step: only rank 1 has
+        # no state here, so a step that reduced gradients would wait for rank 0 for ever.
+        from torchring.horovod.optimizer import DistributedOptimizer
+        model = torch.nn.Linear(3, 2)
+        opt = DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.5),
+                                   named_parameters=model.named_parameters())
+        if rank == 0:  # state from a checkpoint, as after a resume on the root only
+            plain = torch.optim.Adam(model.parameters(), lr=0.5)
+            for p in model.parameters():  # (no backward: opt's hooks would reduce gradients)
+                p.grad = torch.ones_like(p)
+            plain.step()
+            opt.load_state_dict(plain.state_dict())
+        functions.broadcast_optimizer_state(opt, root_rank=0)
+        states = torchring.allgather_object(opt.state_dict())
+        assert _same(states[1], states[0]) is None and len(states[1]["state"]) == 2
+
         # A stateless optimizer still gets the root's options.
         opt = torch.optim.SGD(model.parameters(), lr=float(rank + 1))
         functions.broadcast_optimizer_state(opt, root_rank=1)
