@@ -70,9 +70,13 @@ def _objects_and_parameters(rank: int) -> None:
         functions.broadcast_parameters(plain, root_rank=2)
         assert torch.equal(plain[0], torch.full((5,), 2.))
         assert torch.equal(plain[1], torch.arange(6.).reshape(2, 3).t() * 3)
-        pairs = [("b", torch.tensor([rank, rank], dtype=torch.int32)), ("a", torch.tensor(float(rank)))]
+        pairs = [("b", torch.tensor([rank, rank], dtype=torch.int32)), ("a", torch.tensor(float(rank))),
+                 ("empty", torch.zeros(0))]
         functions.broadcast_parameters(pairs, root_rank=0)
         assert pairs[0][1].tolist() == [0, 0] and pairs[1][1].item() == 0.0
+        tied = torch.full((3,), float(rank))  # one tensor under two names (tied weights)
+        functions.broadcast_parameters({"in": tied, "out": tied}, root_rank=1)
+        assert tied.tolist() == [1.0] * 3
 
         # broadcast_object: the root's object, also within a process set (root: a world rank)
         obj = {"hello": 123, 0: [1, 2], "rank": rank} if rank == 2 else {}
@@ -100,7 +104,7 @@ def _objects_and_parameters(rank: int) -> None:
                 functions.broadcast_object(1, root_rank=0, process_set=tail)
         with pytest.raises(ValueError, match="invalid params of type"):
             functions.broadcast_parameters(torch.zeros(3), root_rank=0)
-        with pytest.raises(ValueError, match="is a int, not a tensor"):
+        with pytest.raises(ValueError, match="is of type int, not a tensor"):
             functions.broadcast_parameters({"w": 3}, root_rank=0)
         assert functions.broadcast_object("still in step", root_rank=0) == "still in step"
     finally:

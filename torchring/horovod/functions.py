@@ -114,7 +114,7 @@ def _named_tensors(params: Any) -> list[tuple[Any, torch.Tensor]]:
     for i, (name, t) in enumerate(items):
         if not isinstance(t, torch.Tensor):
             what = f"{name!r}" if name is not None else f"item {i}"
-            raise ValueError(f"rank {basics.rank()}: hvd.broadcast_parameters: {what} is a "
+            raise ValueError(f"rank {basics.rank()}: hvd.broadcast_parameters: {what} is of type "
                              f"{type(t).__name__}, not a tensor")
     return items
 
@@ -123,8 +123,10 @@ def _broadcast_tensors(tensors: list[torch.Tensor], src: int, group: Any) -> Non
     """Broadcasts each tensor in place from group rank `src`, all in flight at once."""
     handles, copies, seen = [], [], set()
     for t in tensors:
-        key = (t.data_ptr(), t.numel(), t.dtype, t.device) if t.numel() else None
-        if key is not None and key in seen:  # tied weights: one broadcast fills every alias
+        if t.numel() == 0:
+            continue
+        key = (t.data_ptr(), t.numel(), t.dtype, t.device)
+        if key in seen:  # tied weights: one broadcast fills every alias
             continue
         seen.add(key)
         wire = t.detach()
