@@ -11,6 +11,7 @@ Every name of ``horovod.torch`` is here with Horovod's positional order and defa
 is listed in the README ("Coming from Horovod").
 """
 
+from . import elastic
 from .basics import (Adasum, Average, HorovodInternalError, Max, Min, Product, Sum, ccl_built,
                      cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled,
                      is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
@@ -43,5 +44,5 @@ __all__ = [
     "grouped_reducescatter_async", "barrier", "join", "poll", "synchronize", "ProcessSet",
     "global_process_set", "add_process_set", "remove_process_set", "Compression", "Compressor",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
-    "SyncBatchNorm",
+    "SyncBatchNorm", "elastic",
 ]
