@@ -112,7 +112,8 @@ def test_every_variable_of_horovods_table_is_applied_or_explained() -> None:
                "AUTOTUNE_GAUSSIAN_PROCESS_NOISE", "TIMELINE", "TIMELINE_MARK_CYCLES",
                "STALL_CHECK_DISABLE", "STALL_CHECK_TIME_SECONDS", "STALL_SHUTDOWN_TIME_SECONDS",
                "CONTROLLER", "CPU_OPERATIONS", "GLOO_TIMEOUT_SECONDS", "GLOO_IFACE", "LOG_LEVEL",
-               "LOG_HIDE_TIME", "ELASTIC", "DYNAMIC_PROCESS_SETS", "GPU_OPERATIONS", "NCCL_HOME"]
+               "LOG_HIDE_TIME", "ELASTIC", "DYNAMIC_PROCESS_SETS", "GPU_OPERATIONS", "NCCL_HOME",
+               "START_TIMEOUT"]
     env = {f"HOROVOD_{name}": "1" for name in runtime} | {"HOROVOD_TIMELINE": "t.json", "HOROVOD_LOG_LEVEL": "info"}
     unknown = [name for name, _, why in knobs.unused(env) if "does not know" in why]
     assert unknown == []

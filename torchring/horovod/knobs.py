@@ -180,6 +180,8 @@ _NOT_APPLIED: dict[str, str] = {
     "HOROVOD_GLOO_RENDEZVOUS_ADDR": _LAUNCH,
     "HOROVOD_GLOO_RENDEZVOUS_PORT": _LAUNCH,
     "HOROVOD_LOG_HIDE_TIME": "torchring's log lines carry no time stamp",
+    "HOROVOD_START_TIMEOUT": "horovodrun's, not the ranks'; torchring-run --start-timeout sets "
+                             "TORCHRING_TIMEOUT, which init() waits for the other ranks",
 }
 
 # Set by launchers (horovodrun, or torchring.horovod itself from torchrun's variables): not
