@@ -229,6 +229,10 @@ class Negotiator:
             try:
                 return handle.wait(timeout=1.0)
             except WaitTimeoutError:
+                if self._stopping:  # hvd.shutdown() here while peers never came: give up now
+                    raise RuntimeError(f"rank {self._me}: Horovod was shut down (process set "
+                                       f"{self._set_id}) while a negotiation round waited for "
+                                       "other ranks") from None
                 self._check_stalls()
 
     def _run_round(self, new: list[Request]) -> bool:
