@@ -358,6 +358,24 @@ def case_reinit(chk: Checker, hvd: Any, rank: int, world: int) -> None:
         same_params(chk, f"reinit step {step}", model, ref)
 
 
+def case_pool(chk: Checker, hvd: Any, rank: int, world: int) -> None:
+    """Fresh CPU gradients of a synchronized backward come from torchring's gradient pool (as
+    under torchring.wrap): the pool is on from the first hook of a backward, so from the second
+    step on the first layer's 512 KiB gradient (computed after fc2's hooks fired) is a hit."""
+    from torchring import memory
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.Linear(512, 4))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR), model.named_parameters())
+    before = memory.grad_pool_stats()["hits"]
+    for step in range(3):
+        opt.zero_grad()
+        model(torch.ones(2, 256) * (rank + 1)).sum().backward()
+        opt.step()
+    hits = memory.grad_pool_stats()["hits"] - before
+    chk.true("gradient pool hits", hits >= 2, f"{hits} hits in 3 steps")
+
+
 def case_process_set(chk: Checker, hvd: Any, rank: int, world: int) -> None:
     """World 3, process_set=[0, 2]: those two average; rank 1 steps on its own gradients."""
     evens = hvd.add_process_set([0, 2])
@@ -389,7 +407,7 @@ def _run(rank: int, world: int) -> list[str]:
     hvd.init()
     try:
         cases = [case_ops, case_passes, case_clip, case_compression, case_names, case_groups,
-                 case_sparse, case_reinit]
+                 case_sparse, case_reinit, case_pool]
         if world == 3:
             cases.append(case_process_set)
         for case in cases:

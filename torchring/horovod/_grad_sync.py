@@ -23,7 +23,12 @@ rank or HOROVOD_ELASTIC is set):
 - ``groups=`` fixes the buckets: a group (Horovod's unit of fusion) is never split, and whole
   groups share a bucket up to the bucket cap, in backward order;
 - after ``hvd.shutdown(); hvd.init()`` (elastic reset) the set's group is a new one: the
-  Reducer is built again and the first-sync agreement runs again.
+  Reducer is built again and the first-sync agreement runs again;
+- from the first hook of a backward to its end, large CPU allocations (fresh gradients) come
+  from torchring's gradient pool, as under torchring.wrap (memory.py).
+
+Parameters that did not require a gradient when the optimizer was made get no hook and are
+never synchronized, as in Horovod.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .. import _context
+from .. import _context, memory
 from .._errors import TorchringError
 from .._types import ReduceOp
 from ..buckets import assign
@@ -184,6 +189,11 @@ class GradSync:
         self.sparse: dict[int, int] = {}     # outside the buckets: param index -> sparse_dim
         self.sparse_now: dict[int, int] = {}  # gradients that arrived sparse in this sync
         self.seen_sparse: dict[int, int] = {}  # ever, on this rank
+        # As under torchring.wrap, large CPU allocations of a backward that reaches these
+        # parameters (their fresh gradients among them) reuse memory kept between steps.
+        cpu_bytes = sum(p.numel() * p.element_size() for p in params if p.device.type == "cpu")
+        self._pool = cpu_bytes > 0 and memory.reserve_grad_pool(self, cpu_bytes)
+        self._pool_task = -1
         self._build()
         self._hooks: list[Any] = [p.register_post_accumulate_grad_hook(_make_hook(self, j))
                                   for j, p in enumerate(params)]
@@ -225,6 +235,10 @@ class GradSync:
     def on_grad(self, j: int) -> None:
         """Parameter j's post-accumulate-grad hook."""
         with _LOCK:
+            if self._pool and torch._C._current_graph_task_id() != self._pool_task:
+                self._pool_task = memory.grad_pool_begin()  # until this backward ends
+                if self._pool_task >= 0:
+                    torch.autograd.Variable._execution_engine.queue_callback(self._end_pool)
             if self._current_group() is not self.group:
                 self._fresh_group()
             if self.delay[j] <= 0:
@@ -243,6 +257,9 @@ class GradSync:
             if not self.agreed:
                 self.order.append(self.names[j])
             self._call(self.reducer.mark_ready, self.slot[j])
+
+    def _end_pool(self) -> None:
+        memory.grad_pool_end(self._pool_task)
 
     def _densify(self, j: int) -> None:
         p = self.params[j]
