@@ -17,6 +17,7 @@ from .basics import (Adasum, Average, HorovodInternalError, Max, Min, Product, S
                      is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
                      mpi_threads_supported, nccl_built, rank, rocm_built, size)
 from .compression import Compression, Compressor
+from .optimizer import DistributedOptimizer
 from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                         broadcast_parameters)
 from .ops_gather import (allgather, allgather_async, alltoall, alltoall_async, broadcast,
@@ -44,5 +45,5 @@ __all__ = [
     "grouped_reducescatter_async", "barrier", "join", "poll", "synchronize", "ProcessSet",
     "global_process_set", "add_process_set", "remove_process_set", "Compression", "Compressor",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
-    "SyncBatchNorm", "elastic",
+    "SyncBatchNorm", "elastic", "DistributedOptimizer",
 ]
