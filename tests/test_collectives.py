@@ -151,6 +151,22 @@ def _check_objects(chk: Checker, rank: int, world: int) -> None:
         torch.equal(g, rank_input(r, world, 5, torch.float16)) for r, g in enumerate(got)), f"got {got}")
 
 
+def _check_scaled_arena(chk: Checker, rank: int, world: int) -> None:
+    """A prescale on tensors in the shared-memory arena (the zero-copy path reads peers' tensors
+    directly, so each rank must have scaled its own before any peer reads it)."""
+    import torchring
+    from torchring import ReduceOp
+
+    for n in (37, 1000, 70_000):
+        for op, pre, post in ((ReduceOp.SUM, 0.5, 1.0), (ReduceOp.AVG, 0.25, 4.0), (ReduceOp.SUM, 2.0, 0.5)):
+            x = torchring.empty(n)
+            x.copy_(torch.arange(n, dtype=torch.float32) * (rank + 1))
+            torchring.allreduce(x, op, pre, post)
+            total = sum(torch.arange(n, dtype=torch.float32) * (r + 1) * pre for r in range(world))
+            want = total * post / (world if op == ReduceOp.AVG else 1)
+            chk.equal(f"allreduce(torchring.empty({n}), {op.name}, prescale={pre}, postscale={post})", x, want)
+
+
 def _collective_cases(rank: int) -> list[str]:
     """Run every collective check inside one torchring session; return the mismatches."""
     import torchring
@@ -161,7 +177,7 @@ def _collective_cases(rank: int) -> list[str]:
         _check_topology(chk)
         check_transport(chk)
         for check in (_check_broadcast, _check_allgather, _check_reduce_scatter, _check_async,
-                      _check_barrier, _check_objects):
+                      _check_barrier, _check_objects, _check_scaled_arena):
             check(chk, rank, world)
         return chk.failures
 

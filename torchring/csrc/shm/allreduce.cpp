@@ -38,7 +38,16 @@ void ShmGroup::allreduce(char* data, size_t count, DType dtype, ReduceOp op, dou
   const int n = localSize(), me = opt_.localIndex;
   bool zeroCopy = opt_.arenaBytes > 0 && count > 0;
   for (int i = 0; i < n; ++i) zeroCopy = zeroCopy && headers[opt_.localRanks[i]].arenaOffset >= 0;
-  if (zeroCopy) return allreduceZeroCopy(data, count, dtype, op, scale, headers);
+  if (zeroCopy) {
+    // The header exchange proved every tensor complete, but a prescale is applied after it
+    // (so that a mismatch leaves the input alone): wait until every rank scaled its own
+    // tensor before reading any. The factor is in the header, so every rank waits here.
+    if (headers[opt_.localRanks[me]].prescale != 1.0) {
+      arrive();
+      waitAll();
+    }
+    return allreduceZeroCopy(data, count, dtype, op, scale, headers);
+  }
   const size_t esize = elementSize(dtype);
   const size_t segmentElems = opt_.segmentBytes / esize;
   const bool oneShot = count * esize <= opt_.oneShotBytes;
@@ -70,7 +79,8 @@ void ShmGroup::allreduce(char* data, size_t count, DType dtype, ReduceOp op, dou
 }
 
 // Zero-copy allreduce, used when every local rank's tensor lives in its arena. The header
-// exchange that precedes it proves every tensor is complete. No segments: each rank reduces
+// exchange that precedes it proves every tensor is complete (with a prescale, the extra
+// arrive-and-wait in allreduce() does, since each rank scales its tensor after the exchange). No segments: each rank reduces
 // its own chunk [lo, hi) straight out of all n tensors and writes the result into its own
 // tensor and into every peer's, a block of kPushBytes at a time (the block stays in cache for
 // the extra copies); chunks are disjoint, so no two ranks touch the same bytes. Then it
