@@ -16,7 +16,7 @@ import os
 from typing import Any
 
 from .. import _context
-from . import basics, knobs, process_sets, timeline
+from . import basics, handles, knobs, process_sets, timeline
 
 __all__ = ["init", "shutdown", "start_timeline", "stop_timeline"]
 
@@ -71,7 +71,8 @@ def shutdown() -> None:
     """Stops every process set's negotiation, drops their groups and leaves the job."""
     basics._started = False
     timeline.stop()
-    process_sets.stop()
+    process_sets.stop()  # fails every operation still in flight
+    handles.clear()
     _context.shutdown()
 
 
