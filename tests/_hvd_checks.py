@@ -262,6 +262,54 @@ def check_grouped_allreduce(c: Ctx) -> None:
         c.equal(f"grouped_allreduce scaled tensor {k}", outs[k], reduce_ref(xs, hvd.Sum, hvd) * 2)
 
 
+def check_sparse_allreduce(c: Ctx) -> None:
+    """sparse_allreduce_async of COO tensors with a different number of non-zeros per rank (none
+    on rank 1) equals the dense Sum / Average; several in flight at once."""
+    hvd, n, me = c.hvd, c.size, c.rank
+
+    def dense(r: int, d0: int, k: int) -> torch.Tensor:
+        t = val(r, (d0, 4), torch.float32, salt=k, mult=n)
+        keep = (torch.arange(d0) + r + k) % 3 == 0
+        return torch.zeros_like(t) if r == 1 else t * keep.reshape(d0, 1)
+
+    cases = [(k, d0, op) for k, d0 in enumerate((17, 32, 5)) for op in (hvd.Sum, hvd.Average)]
+    waits = [hvd.sparse_allreduce_async(dense(me, d0, k).to_sparse(), f"sparse.{k}.{op}", op)
+             for k, d0, op in cases]
+    for (k, d0, op), wait in zip(cases, waits):
+        got = wait()
+        c.true(f"sparse {k} op {op} is sparse", got.is_sparse, f"got layout {got.layout}")
+        c.equal(f"sparse {k} op {op}", got.to_dense(), reduce_ref([dense(r, d0, k) for r in range(n)], op, hvd))
+
+
+def check_odd_inputs(c: Ctx) -> None:
+    """Non-contiguous, 0-dim, empty and multi-MiB tensors; fp16 compression; 300 named async ops
+    in flight at once (their requests outgrow one negotiation slot)."""
+    hvd, n, me = c.hvd, c.size, c.rank
+    xs = [val(r, (5, 7), torch.float32) for r in range(n)]
+    c.equal("allreduce of a transposed tensor", hvd.allreduce(xs[me].t(), op=hvd.Sum),
+            reduce_ref(xs, hvd.Sum, hvd).t())
+    c.equal("allgather of a transposed tensor", hvd.allgather(xs[me].t()), torch.cat([x.t() for x in xs]))
+    c.equal("broadcast of a transposed tensor", hvd.broadcast(xs[me].t(), n - 1), xs[n - 1].t())
+    c.equal("reducescatter of a column slice", hvd.reducescatter(xs[me][:, 1:3].t(), op=hvd.Sum),
+            reduce_ref(xs, hvd.Sum, hvd)[:, 1:3].t()[rows_of(2, n, me)])
+    scalars = [torch.tensor(float(3 * r - 2)) for r in range(n)]
+    c.equal("allreduce of a 0-dim tensor", hvd.allreduce(scalars[me], op=hvd.Sum), reduce_ref(scalars, hvd.Sum, hvd))
+    c.equal("broadcast of a 0-dim tensor", hvd.broadcast(scalars[me], 0), scalars[0])
+    c.equal("allreduce of an empty tensor", hvd.allreduce(torch.zeros(0, 3), op=hvd.Sum), torch.zeros(0, 3))
+    big = [val(r, (2**18 + 3,), torch.float32) for r in range(n)]
+    c.equal("allreduce of 1 MiB + 12 bytes", hvd.allreduce(big[me], op=hvd.Sum), reduce_ref(big, hvd.Sum, hvd))
+    c.equal("allgather of 1 MiB + 12 bytes", hvd.allgather(big[me]), torch.cat(big))
+    c.equal("broadcast of 1 MiB + 12 bytes", hvd.broadcast(big[me], n - 1), big[n - 1])
+    out = hvd.allreduce(xs[me], op=hvd.Sum, compression=hvd.Compression.fp16)
+    c.equal("allreduce with Compression.fp16 keeps float32", out, reduce_ref(xs, hvd.Sum, hvd))
+    names = [f"a.long.name.for.a.tensor.of.layer.{k}.of.a.model.with.a.great.many.layers.weight" for k in range(300)]
+    small = [[val(r, (3,), torch.int64, salt=k) for r in range(n)] for k in range(len(names))]
+    order = list(range(len(names)))[::1 if me % 2 == 0 else -1]
+    handles = {k: hvd.allreduce_async(small[k][me], name=names[k], op=hvd.Sum) for k in order}
+    bad = [k for k in order if not torch.equal(hvd.synchronize(handles[k]), reduce_ref(small[k], hvd.Sum, hvd))]
+    c.true("300 named async ops in flight", not bad, f"wrong results for {bad[:5]}")
+
+
 def check_async_poll(c: Ctx) -> None:
     """Many async allreduces in flight: poll() is False while a rank has not submitted yet (rank 0
     sleeps first), True once done, and synchronize() then returns every result."""

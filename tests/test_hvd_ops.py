@@ -196,6 +196,10 @@ def check_join_allreduce(c: Ctx) -> None:
             zero = [x if r != first else torch.zeros_like(x) for r, x in enumerate(rs)]
             c.equal(f"{what}: reducescatter Sum", hvd.reducescatter(rs[me], op=hvd.Sum, name="jrs"),
                     reduce_ref(zero, hvd.Sum, hvd)[rows_of(d0, n, me)])
+            outs = hvd.grouped_allreduce([a[me], b[me]], name="jg", op=hvd.Sum)
+            for k, xs in enumerate((a, b)):
+                zero = [x if r != first else torch.zeros_like(x) for r, x in enumerate(xs)]
+                c.equal(f"{what}: grouped Sum tensor {k}", outs[k], reduce_ref(zero, hvd.Sum, hvd))
             ret = hvd.join()
         c.true(f"{what}: join() returns a rank other than the first to join", ret != first and 0 <= ret < n,
                f"got {ret}")
@@ -293,6 +297,25 @@ def _set_collectives(c: Ctx, ps: Any) -> None:
     x = val(me, (4,), torch.float32).requires_grad_()
     hvd.allreduce(x, op=hvd.Average, process_set=ps).backward(gs[me])
     c.equal(f"{where} allreduce grad", x.grad, reduce_ref([gs[r] for r in members], hvd.Average, hvd))
+    gs = {r: val(r, (sum(q + 1 for q in members), 2), torch.float64, salt=4, mult=k) for r in members}
+    x = val(me, (me + 1, 2), torch.float64).requires_grad_()
+    hvd.allgather(x, process_set=ps).backward(gs[me])
+    start = sum(q + 1 for q in members[:i])
+    c.equal(f"{where} allgather grad", x.grad,
+            reduce_ref([gs[r] for r in members], hvd.Average, hvd)[start:start + me + 1])
+    root = members[-1]
+    gs = {r: val(r, (3,), torch.float32, salt=5, mult=k) for r in members}
+    x = val(me, (3,), torch.float32).requires_grad_()
+    hvd.broadcast(x, root, process_set=ps).backward(gs[me])
+    c.equal(f"{where} broadcast grad (root world rank {root})", x.grad,
+            reduce_ref([gs[r] for r in members], hvd.Average, hvd) if me == root else torch.zeros(3))
+    gs = {r: val(r, (len(rows_of(2 * k + 1, k, members.index(r))), 2), torch.float32, salt=6) for r in members}
+    x = val(me, (2 * k + 1, 2), torch.float32).requires_grad_()
+    hvd.reducescatter(x, op=hvd.Sum, process_set=ps).backward(gs[me])
+    c.equal(f"{where} reducescatter grad", x.grad, k * torch.cat([gs[r] for r in members]))
+    sp = {r: (val(r, (6, 2), torch.float32, salt=7) * ((torch.arange(6) + r) % 2).reshape(6, 1)) for r in members}
+    got = hvd.sparse_allreduce_async(sp[me].to_sparse(), f"sparse.set{k}", hvd.Sum, process_set=ps)()
+    c.equal(f"{where} sparse_allreduce_async", got.to_dense(), reduce_ref([sp[r] for r in members], hvd.Sum, hvd))
     hvd.barrier(process_set=ps)
 
 
@@ -413,6 +436,7 @@ def check_timeline(c: Ctx) -> None:
 # ---------------------------------------------------------------------------------- the tests
 REDUCTIONS = [H.check_allreduce_ops, H.check_allreduce_int_average_truncates,
               H.check_allreduce_deprecated_average, H.check_allreduce_scaling, H.check_grouped_allreduce,
+              H.check_sparse_allreduce, H.check_odd_inputs,
               H.check_async_poll, H.check_names_in_any_order, H.check_duplicate_name,
               H.check_barrier_with_ops_in_flight]
 DATA_MOVERS = [M.check_allgather, M.check_broadcast, M.check_alltoall, M.check_alltoall_errors,
