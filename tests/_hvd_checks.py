@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
+import time
 import traceback
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -71,7 +74,7 @@ class Ctx:
 def run_checks(rank: int, checks: Sequence[Callable[[Ctx], None]],
                init_kwargs: dict[str, Any] | None = None) -> list[str]:
     """In a spawned rank: hvd.init(), every check in order, hvd.shutdown(); returns the failures."""
-    import torchring
+    import torchring  # here, not at the top: the parent process never needs the engine
     import torchring.horovod as hvd
 
     hvd.init(**(init_kwargs or {}))
@@ -197,8 +200,6 @@ def check_allreduce_int_average_truncates(c: Ctx) -> None:
 
 def check_allreduce_deprecated_average(c: Ctx) -> None:
     """average=True is Average and average=False is Sum, each with a DeprecationWarning."""
-    import warnings
-
     hvd = c.hvd
     xs = [val(r, (6,), torch.float32, mult=c.size) for r in range(c.size)]
     for average, op in ((True, hvd.Average), (False, hvd.Sum)):
@@ -311,17 +312,20 @@ def check_odd_inputs(c: Ctx) -> None:
 
 
 def check_async_poll(c: Ctx) -> None:
-    """Many async allreduces in flight: poll() is False while a rank has not submitted yet (rank 0
-    sleeps first), True once done, and synchronize() then returns every result."""
-    import time
+    """Many async allreduces in flight: poll() is False while rank 0 has not submitted them yet
+    (it waits for the others' polls on a direct torchring barrier), True once they are done, and
+    synchronize() then returns every result."""
+    import torchring  # in the rank only, like run_checks
 
     hvd = c.hvd
     xss = [[val(r, (7, 3), torch.int64, salt=k) for r in range(c.size)] for k in range(10)]
     if c.rank == 0:
-        time.sleep(0.5)
+        torchring.barrier()
     handles = [hvd.allreduce_async(xs[c.rank], op=hvd.Sum, name=f"fused.{k}") for k, xs in enumerate(xss)]
     if c.rank != 0:
-        c.true("poll() is False before rank 0 submitted", not any(hvd.poll(h) for h in handles))
+        polled = [hvd.poll(h) for h in handles]
+        torchring.barrier()
+        c.true("poll() is False before rank 0 submitted", not any(polled), f"got {polled}")
     deadline = time.monotonic() + 30
     while not all(hvd.poll(h) for h in handles) and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -367,8 +371,6 @@ def check_names_in_any_order(c: Ctx) -> None:
 
 def _in_thread(fn: Callable[[], Any], seconds: float) -> dict[str, Any]:
     """Runs `fn` in a thread for at most `seconds`: {"out": ...} or {"error": ...}, {} if still running."""
-    import threading
-
     box: dict[str, Any] = {}
 
     def body() -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Any
 
 import pytest
@@ -151,8 +152,8 @@ def check_mismatches(c: Ctx) -> None:
     for what, fn in cases.items():
         name = "mm." + what.replace(" ", ".")
         c.raises(what, (hvd.HorovodInternalError,), lambda: fn(name), [name, f"rank {other}"])
-        c.true(f"{what}: HorovodInternalError is a RuntimeError", issubclass(hvd.HorovodInternalError, RuntimeError))
         _works_after(c, what)
+    c.true("HorovodInternalError is a RuntimeError", issubclass(hvd.HorovodInternalError, RuntimeError))
     xs = [val(r, (n, 2), torch.float32) for r in range(n)]
     c.equal("allgather after the mismatches", hvd.allgather(xs[me]), torch.cat(xs))
     c.equal("broadcast after the mismatches", hvd.broadcast(xs[me], n - 1), xs[n - 1])
@@ -163,15 +164,16 @@ def check_mismatches(c: Ctx) -> None:
 
 # ---------------------------------------------------------------------------------- join, init
 def _same_everywhere(c: Ctx, what: str, value: Any) -> None:
-    import torchring
+    import torchring  # in the rank only (see _hvd_checks.run_checks)
 
     seen = torchring.allgather_object(value)
     c.true(f"{what}: the same on every rank", all(v == seen[0] for v in seen), f"got {seen}")
 
 
 def check_join_allreduce(c: Ctx) -> None:
-    """A rank that joined early adds zeros to the others' Average allreduces (and Sum
-    reducescatters); join() returns one rank, the same everywhere, not the first to join."""
+    """A rank that joined early adds zeros to the others' Average allreduces (and to Sum
+    reducescatters and grouped allreduces); join() returns one rank, the same everywhere, not
+    the first to join."""
     hvd, n, me = c.hvd, c.size, c.rank
     d0 = 2 * n + 1
     for first, warm, dtype in ((f, w, d) for f in range(n) for w in (False, True)
@@ -209,10 +211,11 @@ def check_join_allreduce(c: Ctx) -> None:
 
 def check_join_returns_the_last(c: Ctx) -> None:
     """When one rank joins well after the others, join() returns that rank on every rank."""
-    import time
+    import torchring  # in the rank only
 
     hvd, n, me = c.hvd, c.size, c.rank
     for last in range(n):
+        torchring.barrier()  # direct: every rank starts the round together
         if me == last:
             time.sleep(0.3)
         got = hvd.join()
@@ -241,8 +244,6 @@ def check_join_unnamed_allgather(c: Ctx) -> None:
     """As above with unnamed allgathers (Horovod's own join test names none): the rank that
     joined skipped the allgathers the others issued, so their automatic names can no longer
     match it; each must still fail promptly instead of waiting for a rank that never asks."""
-    import time
-
     hvd, n, me = c.hvd, c.size, c.rank
     for first in range(n):
         if me == first:
