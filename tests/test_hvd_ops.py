@@ -505,20 +505,13 @@ def test_hvd_timeline(tmp_path: Any) -> None:
     assert_no_failures(spawn(2, H.run_checks, [check_timeline], env=env))
 
 
-@pytest.mark.xfail(strict=True, reason="negotiator: joins that arrive in one round (a late joiner that was "
-                   "idle holds up the round the others' joins wait in) give the highest rank, not the last")
 def test_hvd_join_returns_the_last_rank_world3() -> None:
     assert_no_failures(spawn(3, H.run_checks, [check_join_returns_the_last]))
 
 
-@pytest.mark.xfail(strict=True, reason="negotiator: an allgather issued while a rank has joined waits "
-                   "for a name the remaining ranks no longer share (auto-name counters diverged because "
-                   "the joined rank skipped earlier unnamed ops); Horovod's join_allgather test at -np 4")
 def test_hvd_join_with_unnamed_allgathers_world3() -> None:
     assert_no_failures(spawn(3, H.run_checks, [check_join_unnamed_allgather]))
 
 
-@pytest.mark.xfail(strict=True, reason="hvd.allgather/hvd.reducescatter negotiate as 'grouped_allgather.<name>'/"
-                   "'grouped_reducescatter.<name>', their *_async forms as 'allgather.<name>'/'reducescatter.<name>'")
 def test_hvd_blocking_and_async_forms_share_names() -> None:
     assert_no_failures(spawn(2, H.run_checks, [H.check_sync_and_async_forms_meet]))

@@ -42,6 +42,7 @@ from . import timeline
 
 __all__ = ["Done", "Request", "Entry", "Negotiator", "validate", "register_joined_starter"]
 
+_NO_JOINED = ("allgather", "broadcast", "alltoall")  # kinds a joined rank cannot take part in
 _SLOT = 4096  # bytes each rank sends in a round's first allgather; more goes in a second one
 
 
@@ -59,6 +60,7 @@ class Request:
     postscale: float = 1.0
     root: int = -1
     splits: tuple[int, ...] | None = None
+    stamp: float = 0.0  # join: when this rank joined (time.time()), to name the last one
 
 
 class Done:
@@ -104,7 +106,7 @@ def validate(requests: dict[int, Request], joined: frozenset[int]) -> str | None
     kind = next(iter(requests.values())).kind
     if kind in ("barrier", "join"):
         return None
-    if joined and kind in ("allgather", "broadcast", "alltoall"):
+    if joined and kind in _NO_JOINED:
         return (f"rank(s) {sorted(joined)} called hvd.join() and supply no data; {kind} cannot run "
                 "while a rank has joined (only allreduce and reducescatter take zeros from joined ranks)")
     checks: list[tuple[str, Callable[[Request], Any]]] = [
@@ -254,8 +256,12 @@ class Negotiator:
 
     def _is_ready(self, name: str) -> bool:
         asked = self._table[name]
-        if next(iter(asked.values())).kind == "join":
+        kind = next(iter(asked.values())).kind
+        if kind == "join":
             return len(asked) == len(self._members)
+        if kind in _NO_JOINED and self._joined:
+            return True  # fails at once (validate): waiting could not help, and unnamed
+            # operations' counters differ between ranks that skipped some while joined
         return all(r in asked or r in self._joined for r in self._members)
 
     def _finish(self, name: str) -> None:
@@ -267,8 +273,9 @@ class Negotiator:
         kind = next(iter(requests.values())).kind
         joined = frozenset(self._joined)
         if kind == "join":
-            last_round = max(self._joined.values())
-            last = max(r for r, k in self._joined.items() if k == last_round)
+            # The last to join: by round, then by when each called join() (joins that met in
+            # one round because the last joiner's thread was idle until then), then by rank.
+            last = max(self._joined, key=lambda r: (self._joined[r], requests[r].stamp, r))
             self._joined.clear()
             if entry is not None:
                 entry.resolve(Done(last))
@@ -283,7 +290,11 @@ class Negotiator:
         if entry is None:  # a joined rank: it takes part with zeros (start(...) knows how)
             starter = _JOINED_STARTERS.get(kind)
             if starter is not None and self._me in joined:
-                starter(self._group, requests, joined)
+                try:
+                    starter(self._group, requests, joined)
+                except Exception as exc:  # this rank's zeros could not be sent: say so, go on
+                    _log.logger.error(f"rank {self._me}: {name!r}: this rank has joined and could "
+                                      f"not take part with zeros: {exc}")
             return
         timeline.negotiate_end(name, kind)
         try:

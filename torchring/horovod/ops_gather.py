@@ -53,7 +53,7 @@ def _fields(tensors: Sequence[torch.Tensor], what: str, **more: Any) -> dict[str
 
 # ---------------------------------------------------------------------------------- allgather
 def _allgather(tensors: list[torch.Tensor], name: Any, ps: ProcessSet, what: str, grouped: bool,
-               rows: dict[str, list[int]]) -> int:
+               rows: dict[str, list[int]], prefix: str | None = None) -> int:
     """Starts the allgathers; `rows["rows"]` gets every member's first dimension (for backward)."""
     bufs = [t.detach().contiguous() for t in tensors]
     group = ps._private
@@ -67,7 +67,7 @@ def _allgather(tensors: list[torch.Tensor], name: Any, ps: ProcessSet, what: str
         return outs if grouped else outs[0]
 
     return submit(ps, name, "allgather", what, _fields(bufs, what), start, finish, keep=bufs,
-                  prefix="grouped_allgather" if grouped else "allgather")
+                  prefix=prefix or ("grouped_allgather" if grouped else "allgather"))
 
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
@@ -86,9 +86,9 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
 
 class _Allgather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, name: Any, ps: ProcessSet, *tensors: torch.Tensor) -> Any:
+    def forward(ctx: Any, name: Any, ps: ProcessSet, prefix: str, *tensors: torch.Tensor) -> Any:
         rows: dict[str, list[int]] = {}
-        outs = synchronize(_allgather(list(tensors), name, ps, "allgather", True, rows))
+        outs = synchronize(_allgather(list(tensors), name, ps, prefix, True, rows, prefix))
         ctx.ps, ctx.rows, ctx.shapes = ps, rows["rows"], [t.shape for t in tensors]
         return tuple(outs)
 
@@ -101,7 +101,7 @@ class _Allgather(torch.autograd.Function):
             reduced = allreduce(g, None, None, Compression.none, Average, 1.0, 1.0, ctx.ps)
             outs.append(reduced.narrow(0, offset, mine).reshape(shape) if len(shape) else
                         reduced.narrow(0, offset, 1).reshape(shape))
-        return (None, None, *outs)
+        return (None, None, None, *outs)
 
 
 def torch_rank() -> int:
@@ -113,14 +113,14 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Concatenates every rank's `tensor` along dim 0 (sizes may differ per rank)."""
     check_tensor(tensor, "allgather")
-    return _Allgather.apply(name, process_set, tensor)[0]
+    return _Allgather.apply(name, process_set, "allgather", tensor)[0]
 
 
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Allgathers each tensor of a list, as one unit."""
     ts = _tensor_list(tensors, "grouped_allgather")
-    return list(_Allgather.apply(name, process_set, *ts))
+    return list(_Allgather.apply(name, process_set, "grouped_allgather", *ts))
 
 
 # ---------------------------------------------------------------------------------- broadcast
@@ -249,7 +249,7 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
 
 # ---------------------------------------------------------------------------------- reducescatter
 def _reducescatter(tensors: list[torch.Tensor], name: Any, op: int, ps: ProcessSet, pre: float,
-                   post: float, what: str, grouped: bool) -> int:
+                   post: float, what: str, grouped: bool, prefix: str | None = None) -> int:
     to_reduce_op(Sum if op == Average else op)  # Adasum and unknown ops fail here, on this rank
     for t in tensors:
         if t.dim() == 0:
@@ -273,7 +273,7 @@ def _reducescatter(tensors: list[torch.Tensor], name: Any, op: int, ps: ProcessS
         return outs if grouped else outs[0]
 
     return submit(ps, name, "reducescatter", what, fields, start, finish, keep=(tensors, bufs),
-                  prefix="grouped_reducescatter" if grouped else "reducescatter")
+                  prefix=prefix or ("grouped_reducescatter" if grouped else "reducescatter"))
 
 
 def _joined_reducescatter(group: Any, requests: dict[int, Request], joined: frozenset[int]) -> Any:
@@ -307,18 +307,17 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
 
 class _Reducescatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, name: Any, op: int, ps: ProcessSet, pre: float, post: float,
+    def forward(ctx: Any, name: Any, op: int, ps: ProcessSet, pre: float, post: float, prefix: str,
                 *tensors: torch.Tensor) -> Any:
         ctx.op, ctx.ps, ctx.pre, ctx.post = op, ps, pre, post
-        outs = synchronize(_reducescatter(list(tensors), name, op, ps, pre, post,
-                                          "reducescatter", True))
+        outs = synchronize(_reducescatter(list(tensors), name, op, ps, pre, post, prefix, True, prefix))
         return tuple(outs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         scale = (len(ctx.ps.ranks) if ctx.op == Sum else 1) * ctx.pre * ctx.post
         outs = [allgather(g * scale if scale != 1 else g, None, ctx.ps) for g in grads]
-        return (None, None, None, None, None, *outs)
+        return (None, None, None, None, None, None, *outs)
 
 
 def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: Any = Compression.none,
@@ -327,7 +326,8 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: An
     """Reduces `tensor` across the set and returns this rank's part of dim 0."""
     check_tensor(tensor, "reducescatter")
     wire, c = compression.compress(tensor)
-    out = _Reducescatter.apply(name, op, process_set, prescale_factor, postscale_factor, wire)[0]
+    out = _Reducescatter.apply(name, op, process_set, prescale_factor, postscale_factor,
+                               "reducescatter", wire)[0]
     return compression.decompress(out, c)
 
 
@@ -338,7 +338,8 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
     """Reducescatters each tensor of a list, as one unit."""
     ts = _tensor_list(tensors, "grouped_reducescatter")
     wires, ctxs = zip(*(compression.compress(t) for t in ts))
-    outs = _Reducescatter.apply(name, op, process_set, prescale_factor, postscale_factor, *wires)
+    outs = _Reducescatter.apply(name, op, process_set, prescale_factor, postscale_factor,
+                                "grouped_reducescatter", *wires)
     return [compression.decompress(o, c) for o, c in zip(outs, ctxs)]
 
 

@@ -14,6 +14,7 @@ gradient with the same op and factors.
 
 from __future__ import annotations
 
+import time
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -277,6 +278,6 @@ def join(device: int = -1) -> int:
     """Marks this rank as out of data: until every rank joined, it takes part in the others'
     allreduces with zeros. Returns the last rank to join (the same on every rank)."""
     ps = global_process_set
-    entry = Entry(Request(name="join", kind="join"), lambda r, j: Done())
+    entry = Entry(Request(name="join", kind="join", stamp=time.time()), lambda r, j: Done())
     ps.negotiator("join").submit(entry)
     return int(handles.wait_entry(entry))
