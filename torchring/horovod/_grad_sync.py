@@ -14,18 +14,22 @@ rank or HOROVOD_ELASTIC is set):
 - the buckets travel on ``process_set.group`` (direct engine collectives, in launch order) as a
   Sum, or an Average split into prescale 1/f and postscale f/size (gradient_predivide_factor f);
 - the first sync after the Reducer was built ends with one allgather among the set's ranks:
-  every rank adopts rank 0's gradient-ready order for its buckets (as torchring.wrap does), the
-  ranks check that they sync the same parameters, and they learn which parameters produced
-  sparse gradients anywhere. Without ``sparse_as_dense`` those leave the buckets and are reduced
-  from then on by allgathering their indices and values; in that first sync, and for a sparse
-  gradient first seen later, the gradient travels densified in its bucket (the same average).
-  A gradient that arrived sparse is handed back to the optimizer sparse;
+  every rank adopts rank 0's gradient-ready order for its buckets (as torchring.wrap does; the
+  next rank's when rank 0 had joined and has none), the ranks check that they sync the same
+  parameters, and they learn which parameters produced sparse gradients anywhere. Without
+  ``sparse_as_dense`` those leave the buckets and are reduced from then on by allgathering their
+  indices and values; in that first sync, and for a sparse gradient first seen later, the
+  gradient travels densified in its bucket (the same average). A gradient that arrived sparse is
+  handed back to the optimizer sparse;
 - ``groups=`` fixes the buckets: a group (Horovod's unit of fusion) is never split, and whole
   groups share a bucket up to the bucket cap, in backward order;
 - after ``hvd.shutdown(); hvd.init()`` (elastic reset) the set's group is a new one: the
   Reducer is built again and the first-sync agreement runs again;
 - from the first hook of a backward to its end, large CPU allocations (fresh gradients) come
-  from torchring's gradient pool, as under torchring.wrap (memory.py).
+  from torchring's gradient pool, as under torchring.wrap (memory.py);
+- on the global process set, ``hvd.join()`` works: each sync first submits a negotiated marker,
+  and a rank that has joined takes part in the syncs it misses with zeros (``shadow()``,
+  driven by the marker on its negotiation thread; see _join_sync.py).
 
 Parameters that did not require a gradient when the optimizer was made get no hook and are
 never synchronized, as in Horovod.
@@ -44,7 +48,7 @@ from .._errors import TorchringError
 from .._types import ReduceOp
 from ..buckets import assign
 from ..reducer import Reducer
-from . import basics, knobs
+from . import _join_sync, basics, knobs
 from .compression import wire_dtype
 
 __all__ = ["GradSync", "Transport", "bucket_caps", "group_assignment", "sparse_reduce"]
@@ -194,6 +198,9 @@ class GradSync:
         cpu_bytes = sum(p.numel() * p.element_size() for p in params if p.device.type == "cpu")
         self._pool = cpu_bytes > 0 and memory.reserve_grad_pool(self, cpu_bytes)
         self._pool_task = -1
+        # hvd.join() reaches the syncs of optimizers on the global set only (join has no set).
+        self.join_key = (_join_sync.register(self, names, [tuple(p.shape) for p in params])
+                         if transport.process_set.process_set_id == 0 else None)
         self._build()
         self._hooks: list[Any] = [p.register_post_accumulate_grad_hook(_make_hook(self, j))
                                   for j, p in enumerate(params)]
@@ -285,6 +292,8 @@ class GradSync:
             # fewer backward passes than backward_passes_per_step); only they can need help.
             unmarked = [j for j, left in enumerate(self.delay) if left > 0 and self.slot[j] is not None]
             try:
+                if self.join_key is not None:  # before anything here waits for the other ranks
+                    self._call(_join_sync.submit_marker, self.join_key)
                 for j in unmarked:  # the buckets copy dense gradients only
                     g = self.params[j].grad
                     if g is not None and g.is_sparse:
@@ -306,6 +315,33 @@ class GradSync:
                 self.pending = False
                 self.sparse_now = {}
 
+    def shadow(self) -> None:
+        """This rank has joined (hvd.join()): takes part in one sync of the other ranks with
+        zeros, issuing the collectives synchronize() issues, in its order, without touching any
+        gradient; the first sync's agreement runs here too (a rank may join before it)."""
+        with _LOCK:
+            if self._current_group() is not self.group:
+                self._fresh_group()
+            if self.reducer.in_progress:
+                raise RuntimeError(
+                    f"rank {self.rank}: {_OWNER}: hvd.join() was called after backward() and "
+                    "before step() (this rank's gradients are being reduced already), so it cannot "
+                    "take part in the other ranks' sync with zeros; call step() or synchronize() "
+                    "before hvd.join()")
+            try:
+                self._call(self.reducer.shadow)
+                average = self.transport.op == basics.Average
+                for j in sorted(self.sparse):
+                    sparse_reduce(None, self.params[j], self.sparse[j], self.group, average)
+                if not self.agreed:
+                    self._call(self._agree)
+            finally:
+                # Backward passes counted since the last sync (fewer than backward_passes_per_step)
+                # never reach the others, as in Horovod; the next sync starts afresh.
+                self.delay = [self.passes] * len(self.params)
+                self.pending = False
+                self.sparse_now = {}
+
     def _reduce_sparse(self) -> None:
         average = self.transport.op == basics.Average
         for j in sorted(self.sparse):
@@ -313,8 +349,9 @@ class GradSync:
             p.grad = sparse_reduce(p.grad, p, self.sparse[j], self.group, average)
 
     def _agree(self) -> None:
-        """The first-sync allgather: rank 0's ready order, the same parameters everywhere, and
-        which parameters produced sparse gradients on any rank."""
+        """The first-sync allgather: the ready order of set rank 0 (of the lowest rank with
+        one, when a rank joined before its first sync), the same parameters everywhere, and which
+        parameters produced sparse gradients on any rank."""
         names = self.reducer.layout()
         mine = [(n, tuple(self.params[self.index[n]].shape)) for bucket in names for n in bucket]
         sparse = {self.names[j]: d for j, d in self.seen_sparse.items()}
@@ -328,7 +365,7 @@ class GradSync:
                     f"rank {self.rank}: {_OWNER}: the ranks of the process set sync different "
                     f"parameters: set rank 0 has {diff[0]}, set rank {r} has {diff[1]} (name, shape); "
                     "build the same model and optimizer on every rank")
-        self.transport.order = everyone[0][0]
+        self.transport.order = next((order for order, _, _ in everyone if order), [])
         found: dict[str, int] = {}
         for _, _, theirs in everyone:
             found.update(theirs)
@@ -340,7 +377,7 @@ class GradSync:
         for j, d in leaving.items():
             self.sparse_now.setdefault(j, d)  # reduced densely this time: hand it back sparse
         order = self.transport.order
-        self._build()  # without them (a fixed layout for groups=, else rank 0's order)
+        self._build()  # without them (a fixed layout for groups=, else the agreed order)
         self.agreed = True
         self.reducer.rebuild_by_ready_order()
         self.transport.order = order

@@ -12,6 +12,12 @@ sharing its param groups, state and hooks, so ``isinstance(opt, torch.optim.SGD)
 Horovod: ``op=hvd.Adasum`` is not implemented; only ``hvd.Average`` and ``hvd.Sum`` reduce
 gradients; the optimizer's existing state is kept (Horovod starts from an empty one); and
 parameters added later with ``add_param_group`` are synchronized too.
+
+Uneven data, as in Horovod: a rank out of batches calls ``hvd.join()`` and, until every rank has
+joined, takes part in the others' gradient syncs with zeros (Average still divides by the set's
+size); then ``hvd.broadcast_parameters(..., root_rank=hvd.join()'s result)`` gives every rank the
+model of a rank that did every step. This covers optimizers on the global process set (join has
+no process set); call step() (or synchronize()) before hvd.join(), not between backward and step.
 """
 
 from __future__ import annotations
