@@ -6,7 +6,7 @@
     group = torchring.new_group([0, 1])    # every rank calls it; group.allreduce(tensor) ...
 """
 
-from . import cuda  # torchring.cuda.path(), reason(), device()
+from . import c10d, cuda  # torchring.cuda.path(), reason(), device()
 from ._context import (init, is_initialized, local_rank, local_size, rank, shutdown, size,
                        transport)
 from ._errors import (CollectiveMismatchError, CommunicatorFailedError, TorchringError,
@@ -24,6 +24,8 @@ from .rooted import (allgather_into, allgather_into_async, allreduce_many, allre
 from .memory import empty
 from .model import DistributedModel, wrap
 from .sync_batch_norm import SyncBatchNorm
+
+c10d.register()  # dist.init_process_group("torchring") from here on (nothing is built yet)
 
 __version__ = "0.1.0"
 

@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "torchring"
 LAYERS = [
     {"_errors", "_env", "_settings", "_log", "_types"},
     {"_build", "_gpu_path", "_rendezvous"},
-    {"_context", "cuda", "build"},
+    {"_context", "cuda", "build", "c10d"},
     {"_groups", "run"},
     {"collectives"},
     {"rooted", "exchange", "p2p"},

@@ -7,6 +7,7 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "c10d_backend.h"
 #include "communicator.h"
 #include "grad_pool.h"
 #include "reduce.h"
@@ -88,6 +89,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     }
   });
   m.def("build_info", &buildInfo);
+  // torch.distributed's backend over `comm` (c10d_backend.h); torch.distributed must be
+  // imported first, so that the c10d Backend type it returns is known to pybind.
+  m.def(
+      "make_c10d_backend",
+      [](std::shared_ptr<Communicator> comm, int rank, int size, std::string label) {
+        return c10::intrusive_ptr<c10d::Backend>(
+            c10::make_intrusive<torchring::C10dBackend>(std::move(comm), rank, size, std::move(label)));
+      },
+      py::arg("comm"), py::arg("rank"), py::arg("size"), py::arg("label") = "");
   // warn() from any engine thread reaches `sink` (the "torchring" logger) with the GIL held;
   // while the interpreter finalizes, or if the sink raises, the message goes to stderr. None
   // restores stderr: torchring clears the sink at exit, after shutdown() stopped the threads.

@@ -56,14 +56,28 @@ void CpuWork::finish(at::Tensor result, std::exception_ptr error) {
       message = "unknown error";
     }
   }
+  std::vector<std::function<void()>> callbacks;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     result_ = std::move(result);
     error_ = std::move(error);
     message_ = std::move(message);
     done_ = true;
+    callbacks.swap(onDone_);
   }
   cv_.notify_all();
+  for (auto& fn : callbacks) fn();
+}
+
+void CpuWork::onDone(std::function<void()> fn) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!done_) {
+      onDone_.push_back(std::move(fn));
+      return;
+    }
+  }
+  fn();
 }
 
 }  // namespace torchring

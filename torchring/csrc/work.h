@@ -8,8 +8,10 @@
 
 #include <condition_variable>
 #include <exception>
+#include <functional>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "common.h"
 
@@ -53,6 +55,9 @@ class CpuWork : public Work {
   void setContext(std::string context) { context_ = std::move(context); }
   // The failure message of a completed operation; "" while it runs or when it succeeded.
   std::string error();
+  // Runs `fn` once the operation finished: now if it has, else on the thread that finishes it,
+  // right after finish(). `fn` must be quick and must not wait for other operations.
+  void onDone(std::function<void()> fn);
 
  private:
   std::mutex mutex_;
@@ -62,6 +67,7 @@ class CpuWork : public Work {
   std::string message_;
   std::string context_;
   at::Tensor result_;
+  std::vector<std::function<void()>> onDone_;
 };
 
 }  // namespace torchring

@@ -1,0 +1,84 @@
+"""torchring as a torch.distributed backend: ``dist.init_process_group("torchring")``.
+
+    import torchring                       # registers the name (cheap: nothing is built)
+    dist.init_process_group("torchring")   # or backend="cpu:torchring,cuda:nccl"
+    model = DistributedDataParallel(model) # DDP, FSDP, Lightning, dist.* run on torchring
+
+torch calls ``_create`` once per process group (the world, then every ``new_group`` and
+DeviceMesh sub-group, on its members only) with the group's store, already prefixed by torch,
+as the rendezvous: no second store. ``_create`` meets the group's other ranks through it (the
+job secret from the group's rank 0, every rank's host), wires an engine Communicator (shared
+memory within a host, a TCP ring between hosts, point-to-point streams) exactly as
+``torchring.init()`` does, and wraps it in the C++ backend (csrc/c10d_backend.h). The process
+group's timeout becomes the engine's: a mismatch or a dead peer fails the op's Work and
+Future within it. ``destroy_process_group()`` shuts the communicator down.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import socket
+from typing import Any
+
+import torch.distributed as dist
+
+from . import _build, _rendezvous
+from ._settings import Settings
+
+__all__ = ["register", "BACKEND_NAME"]
+
+BACKEND_NAME = "torchring"
+
+
+def _label(group_id: str, ranks: list[int], world: int) -> str:
+    if not ranks or ranks == list(range(world)) and group_id in ("0", ""):
+        return ""
+    return (f"torch.distributed group {group_id} of world ranks {ranks} (the ranks in this message "
+            "are group ranks): ")
+
+
+def _create(options: Any, pg_options: Any = None) -> Any:
+    """torch's creator callback: the backend for one process group."""
+    store, rank, size = options.store, int(options.group_rank), int(options.group_size)
+    settings = Settings.from_env(os.environ)
+    timeout = options.timeout.total_seconds() if options.timeout is not None else settings.timeout
+    settings = dataclasses.replace(settings, timeout=float(timeout))
+    engine = _build.load()
+    host = settings.hostname or socket.gethostname()
+    ranks = list(getattr(options, "global_ranks_in_group", []) or [])
+    world = dist.get_world_size() if dist.is_initialized() else size
+    label = _label(str(getattr(options, "group_id", "")), ranks, max(world, size))
+    prefix = "torchring/"
+    if size > 1:
+        if rank == 0:
+            store.set(prefix + "secret", secrets.token_hex(16))
+        secret = _rendezvous.get(store, prefix + "secret", rank, "the group's rank 0", timeout).decode()
+        store.set(prefix + f"host/{rank}", host)
+        hosts = [host if r == rank else _rendezvous.get(store, prefix + f"host/{r}", rank,
+                                                        f"rank {r} of the group to join", timeout).decode()
+                 for r in range(size)]
+    else:
+        secret, hosts = "", [host]
+    groups = _rendezvous.host_groups(hosts)
+    if settings.transport == "tcp":
+        groups = [[r] for r in range(size)]
+    comm = _rendezvous.communicator(engine, rank, size, groups, settings, secret, arena_bytes=0,
+                                    label=label)
+    try:
+        if size > 1:
+            master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+            _rendezvous.wire(comm, store, prefix, rank, master, host, groups, settings)
+        comm.start()
+    except BaseException:
+        comm.shutdown()
+        raise
+    return engine.make_c10d_backend(comm, rank, size, label)
+
+
+def register() -> None:
+    """Makes ``init_process_group("torchring")`` work in this process (idempotent, builds nothing)."""
+    if BACKEND_NAME in dist.Backend.backend_list:
+        return
+    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
