@@ -48,7 +48,7 @@ from .._errors import TorchringError
 from .._types import ReduceOp
 from ..buckets import assign
 from ..reducer import Reducer
-from . import _join_sync, basics, knobs
+from . import _join_sync, basics, knobs, timeline
 from .compression import wire_dtype
 
 __all__ = ["GradSync", "Transport", "bucket_caps", "group_assignment", "sparse_reduce"]
@@ -111,6 +111,18 @@ class _Decompressing:
             self.bucket.copy_(out.reshape(self.bucket.shape))
 
 
+class _Timed:
+    """A bucket's allreduce shown in the timeline: its ALLREDUCE phase ends when wait() returns."""
+
+    def __init__(self, handle: Any, name: str) -> None:
+        self.handle, self.name = handle, name
+        timeline.negotiate_end(name, "allreduce")
+
+    def wait(self) -> None:
+        self.handle.wait()
+        timeline.op_end(self.name)
+
+
 class Transport:
     """The Reducer's allreduce_async and agree_on_order for one optimizer: the buckets on the
     process set's group with Horovod's op and scaling; holds no reference to the optimizer."""
@@ -120,25 +132,28 @@ class Transport:
         builtin, self.wire = wire_dtype(compression)
         self.compressor = None if builtin else compression
         self.order: list[str] = []  # the agreed ready order, set before the rebuild asks
+        self.bucket = 0  # the index of the next bucket of this sync
 
     def __call__(self, tensor: torch.Tensor, op: ReduceOp) -> Any:
         group = self.process_set.group
-        if op != ReduceOp.AVG:  # the Reducer's used-map (MAX)
+        if op != ReduceOp.AVG:  # the Reducer's used-map (MAX), after the sync's last bucket
+            self.bucket = 0
             return group.allreduce_async(tensor, op)
         if self.compressor is None:
-            return self._reduce(group, tensor)
-        sent, ctx = self.compressor.compress(tensor)
-        return _Decompressing(self._reduce(group, sent), tensor, sent, ctx, self.compressor)
+            handle = self._reduce(group, tensor)
+        else:
+            sent, ctx = self.compressor.compress(tensor)
+            handle = _Decompressing(self._reduce(group, sent), tensor, sent, ctx, self.compressor)
+        self.bucket += 1
+        if timeline.active():  # one timeline row per bucket, ALLREDUCE until its wait() returns
+            handle = _Timed(handle, f"allreduce.DistributedOptimizer.bucket{self.bucket - 1}")
+        return handle
 
     def _reduce(self, group: Any, tensor: torch.Tensor) -> Any:
         if self.op == basics.Sum:
             return group.allreduce_async(tensor, ReduceOp.SUM)
         f = self.predivide  # Average: sum(x / f) * f / size
-        if f != 1.0:
-            # The division happens here rather than as the engine's prescale_factor: that one
-            # gives wrong sums on shared-memory buffers like the buckets (reported to the lead).
-            tensor.mul_(1.0 / f)
-        return group.allreduce_async(tensor, ReduceOp.AVG, 1.0, f)
+        return group.allreduce_async(tensor, ReduceOp.AVG, 1.0 / f, f)
 
     def agreed_order(self, mine: list[str]) -> list[str]:
         """Reducer.rebuild_by_ready_order's agreement: the order GradSync agreed on already."""
