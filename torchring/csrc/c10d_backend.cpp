@@ -167,8 +167,10 @@ c10::intrusive_ptr<C10dWork> C10dBackend::make(c10d::OpType type, std::vector<at
 }
 
 c10::intrusive_ptr<c10d::Work> C10dBackend::launch(c10::intrusive_ptr<C10dWork> work) {
-  if (work->engine.empty()) {
-    completer_->push(work);
+  bool done = true;
+  for (auto& e : work->engine) done = done && e->isCompleted();
+  if (done) {  // ran inline (asyncOp=False) or finished already: complete on the caller's
+    work->complete();  // thread, without a hand-off to the completer (a thread wake-up)
     return work;
   }
   work->pending = static_cast<int>(work->engine.size());

@@ -8,7 +8,8 @@
 // views: they are written, never rebound) and then completes the c10d Work and its Future
 // with the outputs, or with the error. Futures are completed there and not on an engine
 // thread because a Future's callbacks (DDP communication hooks, fut.then in Python) run on
-// the completing thread and may take the GIL.
+// the completing thread and may take the GIL. An operation that is complete when submit returns
+// (run inline for a blocking call) is completed right there, on the caller's thread.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
