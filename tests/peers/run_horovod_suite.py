@@ -25,6 +25,7 @@ import argparse
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -87,13 +88,13 @@ AT = {
 }
 
 # Issue #13: these build every torch.optim optimizer, and Muon (torch >= 2.9) rejects 1-D
-# parameters whatever the module under test does.
+# parameters whatever the module under test does (--hide-muon runs them without it).
 KNOWN = {"test_broadcast_state": "torch>=2.9 Muon", "test_broadcast_state_options": "torch>=2.9 Muon",
          "test_force_allreduce": "torch>=2.9 Muon"}
 
 ACCEPTANCE = ["test/parallel/test_torch.py", "test/parallel/test_timeline.py", "test/single/test_torch_elastic.py"]
 
-# The alias package: module path -> source. Written by this tool, in its own words.
+# The alias package (and a pytest plugin beside it): path -> source. Written by this tool.
 ALIAS = {
     "horovod/__init__.py": '''
         """Stand-in for Horovod made by torchring's run_horovod_suite.py: horovod.torch is torchring.horovod."""
@@ -169,11 +170,62 @@ ALIAS = {
             thread.start()
             return thread
         ''',
+    "hvd_suite_plugin.py": '''
+        """A pytest plugin for the suite's ranks: each failure is written to stderr as it happens
+        (a rank stopped later still leaves it in the log), and a test running longer than
+        $HVD_SUITE_TEST_TIMEOUT seconds gets every thread's stack written to stderr, then fails
+        with TimeoutError (so a hang in one test does not stall the whole file)."""
+        import faulthandler
+        import os
+        import signal
+        import sys
+
+        import pytest
+
+        LIMIT = float(os.environ.get("HVD_SUITE_TEST_TIMEOUT") or 0)
+
+
+        def _expire(signum, frame):
+            raise TimeoutError(f"the test did not finish within {LIMIT:g} s (--test-timeout); "
+                               "every thread's stack is in the log")
+
+
+        @pytest.hookimpl(hookwrapper=True)
+        def pytest_runtest_protocol(item, nextitem):
+            if LIMIT <= 0:
+                yield
+                return
+            faulthandler.dump_traceback_later(LIMIT, exit=False)  # from C: works whatever holds the GIL
+            previous = signal.signal(signal.SIGALRM, _expire)
+            signal.setitimer(signal.ITIMER_REAL, LIMIT + 1)
+            try:
+                yield
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, previous)
+                faulthandler.cancel_dump_traceback_later()
+
+
+        def pytest_configure(config):
+            if os.environ.get("HVD_SUITE_HIDE_MUON") == "1":  # --hide-muon
+                import torch
+                if hasattr(torch.optim, "Muon"):  # the tests keep optimizers whose module is torch.optim*
+                    torch.optim.Muon.__module__ = "hidden_by_run_horovod_suite"
+
+
+        def pytest_runtest_logreport(report):
+            if report.failed:
+                sys.stderr.write(f"\\n==== {report.nodeid} failed ({report.when}):\\n{report.longreprtext}\\n")
+                sys.stderr.flush()
+        ''',
 }
 
 # What each rank runs: pytest on the file, with its report at $HVD_SUITE_JUNIT/rank$RANK.xml.
-_RANK_MAIN = ("import os, sys, pytest; sys.exit(pytest.main(sys.argv[1:] + ['--junit-xml=' + "
-              "os.path.join(os.environ['HVD_SUITE_JUNIT'], 'rank' + os.environ['RANK'] + '.xml')]))")
+# It exits 0 after failed tests (they are in the report): a rank exiting non-zero makes
+# torchrun's agent stop the others before they write theirs.
+_RANK_MAIN = ("import os, sys, pytest; code = pytest.main(sys.argv[1:] + ['--junit-xml=' + "
+              "os.path.join(os.environ['HVD_SUITE_JUNIT'], 'rank' + os.environ['RANK'] + '.xml')]); "
+              "sys.exit(0 if code in (0, 1, 5) else code)")
 
 
 def write_alias(directory: Path) -> None:
@@ -260,21 +312,36 @@ def run_file(args: argparse.Namespace, file: Path, work: Path, alias: Path) -> t
     env = dict(os.environ, HVD_SUITE_JUNIT=str(junit), PYTHONDONTWRITEBYTECODE="1",
                PYTHONPATH=os.pathsep.join([str(alias), str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     env.setdefault("TORCHRING_TIMEOUT", str(args.op_timeout))
-    pytest_args = [str(file), "-v", "-p", "no:cacheprovider", "--continue-on-collection-errors",
+    env["HVD_SUITE_TEST_TIMEOUT"] = str(args.test_timeout)
+    env["HVD_SUITE_HIDE_MUON"] = "1" if args.hide_muon else "0"
+    pytest_args = [str(file), "-v", "-p", "no:cacheprovider", "-p", "hvd_suite_plugin",
+                   "--continue-on-collection-errors",
                    "-o", "junit_family=xunit1", *(["-k", args.k] if args.k else []), *args.pytest_args]
     ranks = ranks_for(file, args.np)
     command = [sys.executable, "-m", "torchring.run", "-np", str(ranks),
                sys.executable, "-c", _RANK_MAIN, *pytest_args]
     print(f"== {file.name} at -np {ranks}: {shlex.join(command)}\n   log: {log}", flush=True)
     with open(log, "w") as out:
+        proc = subprocess.Popen(command, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT)
         try:
-            proc = subprocess.run(command, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                  timeout=args.timeout, start_new_session=True)
-            code = proc.returncode
+            code = proc.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
-            print(f"   timed out after {args.timeout} s", flush=True)
-            code = 124
+            print(f"   timed out after {args.timeout:g} s; stopping the job", flush=True)
+            code = _stop(proc)
+        except BaseException:  # Ctrl-C, or SIGTERM (see main): stop the job, not only the launcher
+            _stop(proc)
+            raise
     return code, junit
+
+
+def _stop(proc: subprocess.Popen) -> int:
+    """Stops the launcher the way Ctrl-C would (its agent then stops every rank); kills it after 30 s."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        return proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -287,11 +354,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="test file under --horovod-src (repeatable; default test/parallel/test_torch.py)")
     p.add_argument("--all", action="store_true", help="the three acceptance files: " + ", ".join(ACCEPTANCE))
     p.add_argument("--timeout", type=float, default=3600, help="seconds for each file's whole run")
+    p.add_argument("--test-timeout", type=float, default=300,
+                   help="seconds per test before its stacks are dumped and it fails (0: no limit)")
     p.add_argument("--op-timeout", type=float, default=60,
                    help="TORCHRING_TIMEOUT for the ranks unless set (a hang fails instead of waiting)")
+    p.add_argument("--hide-muon", action="store_true",
+                   help="hide torch.optim.Muon (torch >= 2.9) from the tests that build every torch.optim "
+                        "optimizer, to see whether they pass with the others (changes no test file)")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (logs, reports)")
     p.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
     args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminated)  # so that a killed runner stops its job too
     missing = missing_requirements()
     if missing:
         p.error(f"Horovod's test files need {', '.join(missing)}: pip install {' '.join(missing)}")
@@ -321,6 +394,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         shutil.rmtree(work, ignore_errors=True)
     return 1 if failed else 0
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _tail(path: Path, lines: int = 30) -> str:
