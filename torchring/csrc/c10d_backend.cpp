@@ -3,8 +3,8 @@
 // Each c10d call below checks its tensors, submits one or more engine operations (in the
 // order torch calls them, so every rank's engine sees the same sequence) and returns a
 // C10dWork whose `post` moves results into the caller's outputs. A tensor the engine cannot
-// take in place (not contiguous) is staged: a contiguous copy goes to the engine and `post`
-// copies the result back. Mapping to engine operations:
+// take in place (not contiguous, or a CUDA tensor: the staged path) goes to the engine as a
+// contiguous host copy and `post` copies the result back. Mapping to engine operations:
 //   allreduce        ALLREDUCE (PREMUL_SUM(f): SUM with prescale f)
 //   allreduce_coal.  ALLREDUCE_MANY
 //   broadcast        BROADCAST            reduce    REDUCE
@@ -21,6 +21,8 @@
 
 #include <ATen/core/ivalue.h>
 
+#include <algorithm>
+
 #include <sstream>
 
 namespace torchring {
@@ -32,6 +34,23 @@ c10::TypePtr futureType(bool nested) {
   return nested ? c10::ListType::create(list) : list;
 }
 
+// The CUDA devices of `outputs`: a Future holding CUDA tensors must name them (it records an
+// event on each when it completes, so that users of the value wait for the copies back).
+std::vector<c10::Device> devicesOf(const std::vector<at::Tensor>& outputs,
+                                   const std::vector<std::vector<at::Tensor>>& nested) {
+  std::vector<c10::Device> devices;
+  auto add = [&](const at::Tensor& t) {
+    if (t.defined() && t.is_cuda() && std::find(devices.begin(), devices.end(), t.device()) == devices.end()) {
+      devices.push_back(t.device());
+    }
+  };
+  for (const auto& t : outputs) add(t);
+  for (const auto& list : nested) {
+    for (const auto& t : list) add(t);
+  }
+  return devices;
+}
+
 }  // namespace
 
 C10dWork::C10dWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs, bool nested,
@@ -40,7 +59,7 @@ C10dWork::C10dWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs,
       outputs_(std::move(outputs)),
       nested_(std::move(nestedOutputs)),
       isNested_(nested),
-      future_(c10::make_intrusive<c10::ivalue::Future>(futureType(nested))) {}
+      future_(c10::make_intrusive<c10::ivalue::Future>(futureType(nested), devicesOf(outputs_, nested_))) {}
 
 void C10dWork::complete() {
   std::exception_ptr error;
@@ -120,9 +139,8 @@ std::string C10dBackend::where(const char* op) const {
 
 at::Tensor C10dBackend::checked(const at::Tensor& t, const char* op, const char* name) const {
   TORCH_CHECK_VALUE(t.defined(), where(op), ": ", name, " is undefined");
-  TORCH_CHECK_VALUE(t.device().is_cpu(), where(op), ": ", name, " is on ", t.device(),
-                    "; this backend runs CPU tensors: for CUDA tensors initialize with "
-                    "backend=\"cpu:torchring,cuda:nccl\"");
+  TORCH_CHECK_VALUE(t.device().is_cpu() || t.device().is_cuda(), where(op), ": ", name, " is on ",
+                    t.device(), "; this backend takes CPU and CUDA tensors");
   TORCH_CHECK_VALUE(!t.is_sparse(), where(op), ": ", name, " is sparse; torchring reduces dense tensors");
   return t;
 }
@@ -186,10 +204,15 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::launch(c10::intrusive_ptr<C10dWork> 
 
 namespace {
 
-// A contiguous tensor for the engine: `t` itself, or a copy whose result `post` copies back.
+// The CPU engine's copy of `t` to read: itself, or a contiguous host copy (a CUDA tensor is
+// copied after the work queued on the current stream, the staged path).
+at::Tensor hostIn(const at::Tensor& t) { return t.to(at::kCPU).contiguous(); }
+
+// A contiguous CPU tensor for the engine to write: `t` itself, or a copy (of a non-contiguous or
+// CUDA tensor) whose result `post` copies back into `t`.
 at::Tensor staged(const at::Tensor& t, C10dWork& work) {
-  if (t.is_contiguous()) return t;
-  at::Tensor copy = t.contiguous();
+  if (t.is_contiguous() && t.device().is_cpu()) return t;
+  at::Tensor copy = hostIn(t);
   auto previous = work.post;
   work.post = [previous, t, copy]() mutable {
     if (previous) previous();
@@ -259,7 +282,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::allgather(std::vector<std::vector<at
                       in.scalar_type(), "), got ", o.sizes(), ", ", o.scalar_type());
   }
   auto work = c10::make_intrusive<C10dWork>(rank_, c10d::OpType::ALLGATHER, outputs[0], true, outputs);
-  at::Tensor flat = in.contiguous().reshape({1, -1});
+  at::Tensor flat = hostIn(in).reshape({1, -1});
   auto gathered = comm_->submit(OpKind::ALLGATHER, flat, ReduceOp::SUM, -1, !opts.asyncOp);
   std::vector<at::Tensor> outs = outputs[0];
   work->post = [gathered, outs]() {
@@ -280,7 +303,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::_allgather_base(at::Tensor& output, 
                     input.numel(), " elements of ", input.scalar_type(), " each), got ", output.numel(),
                     " elements of ", output.scalar_type());
   auto work = make(c10d::OpType::_ALLGATHER_BASE, {output});
-  at::Tensor flat = input.contiguous().reshape({1, -1});
+  at::Tensor flat = hostIn(input).reshape({1, -1});
   auto gathered = comm_->submit(OpKind::ALLGATHER, flat, ReduceOp::SUM, -1, !opts.asyncOp);
   at::Tensor out = output;
   work->post = [gathered, out]() mutable { out.copy_(gathered->wait(0).view(out.sizes())); };
@@ -300,7 +323,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::allgather_into_tensor_coalesced(
     checked(outputs[i], "all_gather_into_tensor_coalesced", "an output");
     TORCH_CHECK_VALUE(outputs[i].numel() == inputs[i].numel() * size_, where("all_gather_into_tensor_coalesced"),
                       ": output ", i, " must hold ", size_, " times input ", i);
-    at::Tensor flat = inputs[i].contiguous().reshape({1, -1});
+    at::Tensor flat = hostIn(inputs[i]).reshape({1, -1});
     auto gathered = comm_->submit(OpKind::ALLGATHER, flat, ReduceOp::SUM, -1, false);
     work->keep.push_back(flat);
     work->engine.push_back(gathered);
@@ -332,7 +355,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::gather(std::vector<std::vector<at::T
   std::vector<at::Tensor> outs = rank_ == root ? outputs[0] : std::vector<at::Tensor>{};
   auto work = c10::make_intrusive<C10dWork>(rank_, c10d::OpType::GATHER, outs, true,
                                             rank_ == root ? outputs : std::vector<std::vector<at::Tensor>>{});
-  at::Tensor flat = in.contiguous().reshape({1, -1});
+  at::Tensor flat = hostIn(in).reshape({1, -1});
   auto gathered = comm_->submit(OpKind::GATHER, flat, ReduceOp::SUM, root, false);
   work->post = [gathered, outs]() {
     at::Tensor all = gathered->wait(0);
@@ -358,14 +381,11 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::scatter(std::vector<at::Tensor>& out
       checked(t, "scatter", "an input");
       TORCH_CHECK_VALUE(t.numel() == out.numel() && t.scalar_type() == out.scalar_type(), where("scatter"),
                         ": every input must have the output's size and dtype");
-      rows.push_back(t.contiguous().reshape({1, -1}));
+      rows.push_back(hostIn(t).reshape({1, -1}));
     }
     args.tensors = {at::cat(rows)};
   }
-  at::Tensor flat = out.is_contiguous() ? out.reshape({1, -1}) : out.contiguous().reshape({1, -1});
-  if (!out.is_contiguous()) {
-    work->post = [out, flat]() mutable { out.copy_(flat.view(out.sizes())); };
-  }
+  at::Tensor flat = staged(out, *work).reshape({1, -1});
   work->keep.push_back(flat);
   work->engine.push_back(comm_->submit(OpKind::SCATTER, flat, ReduceOp::SUM, root, false, args));
   return launch(work);
@@ -382,7 +402,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::reduce_scatter(std::vector<at::Tenso
     checked(t, "reduce_scatter", "an input");
     TORCH_CHECK_VALUE(t.numel() == out.numel() && t.scalar_type() == out.scalar_type(), where("reduce_scatter"),
                       ": every input must have the output's size and dtype");
-    rows.push_back(t.contiguous().reshape({1, -1}));
+    rows.push_back(hostIn(t).reshape({1, -1}));
   }
   at::Tensor stacked = at::cat(rows);
   auto [op, prescale] = reduceOp(opts.reduceOp, out, "reduce_scatter");
@@ -406,7 +426,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::_reduce_scatter_base(at::Tensor& out
                     " elements of ", input.scalar_type());
   auto [op, prescale] = reduceOp(opts.reduceOp, output, "reduce_scatter_tensor");
   auto work = make(c10d::OpType::_REDUCE_SCATTER_BASE, {output});
-  at::Tensor stacked = input.contiguous().reshape({size_, input.numel() / size_});
+  at::Tensor stacked = hostIn(input).reshape({size_, input.numel() / size_});
   OpArgs args;
   args.out = staged(output, *work).reshape({1, -1});
   args.prescale = prescale;
@@ -426,7 +446,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::reduce_scatter_tensor_coalesced(
     TORCH_CHECK_VALUE(inputs[i].numel() == outputs[i].numel() * size_, where("reduce_scatter_tensor_coalesced"),
                       ": input ", i, " must hold ", size_, " times output ", i);
     auto [op, prescale] = reduceOp(opts.reduceOp, outputs[i], "reduce_scatter_tensor_coalesced");
-    at::Tensor stacked = inputs[i].contiguous().reshape({size_, inputs[i].numel() / size_});
+    at::Tensor stacked = hostIn(inputs[i]).reshape({size_, inputs[i].numel() / size_});
     OpArgs args;
     args.out = staged(outputs[i], *work).reshape({1, -1});
     args.prescale = prescale;
@@ -459,7 +479,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::alltoall_base(at::Tensor& output, at
   args.recvSplits = splits(outputSplits, output, "output_split_sizes");
   args.recvSplitsKnown = true;
   args.out = staged(output, *work);
-  at::Tensor in = input.contiguous();
+  at::Tensor in = hostIn(input);
   work->keep.push_back(in);
   work->engine.push_back(comm_->submit(OpKind::ALLTOALL, in, ReduceOp::SUM, -1, false, args));
   return launch(work);
@@ -475,14 +495,14 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::alltoall(std::vector<at::Tensor>& ou
   for (int r = 0; r < size_; ++r) {
     checked(inputs[r], "all_to_all", "an input");
     checked(outputs[r], "all_to_all", "an output");
-    ins.push_back(inputs[r].contiguous().view({-1}));
+    ins.push_back(hostIn(inputs[r]).view({-1}));
     send.push_back(inputs[r].numel());
     recv.push_back(outputs[r].numel());
   }
   at::Tensor in = at::cat(ins).view({-1, 1});
   int64_t total = 0;
   for (auto n : recv) total += n;
-  at::Tensor out = at::empty({total, 1}, in.options());
+  at::Tensor out = at::empty({total, 1}, in.options());  // on the host, like `in`
   auto work = make(c10d::OpType::ALLTOALL, outputs);
   OpArgs args;
   args.sendSplits = at::tensor(send, at::kLong);
@@ -503,7 +523,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::alltoall(std::vector<at::Tensor>& ou
 }
 
 c10::intrusive_ptr<c10d::Work> C10dBackend::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
-  at::Tensor t = checked(one(tensors, "send"), "send", "tensor").contiguous();
+  at::Tensor t = hostIn(checked(one(tensors, "send"), "send", "tensor"));
   auto work = make(c10d::OpType::SEND, {tensors[0]});
   work->keep.push_back(t);
   work->engine.push_back(comm_->send(t, dstRank, tag));
