@@ -210,6 +210,33 @@ def test_world_ops(world: int) -> None:
     assert_no_failures(spawn(world, _world_ops_job))
 
 
+def _shm_mappings() -> int:
+    with open("/proc/self/maps") as maps:
+        return sum("/dev/shm" in line for line in maps)
+
+
+def _init_shutdown_cycles_job(rank: int) -> list[int]:
+    """Mappings of shared memory left after each init/shutdown with the world group used and
+    the garbage collector off: shutdown() must release them without a gc pass."""
+    import gc
+
+    import torchring
+
+    gc.disable()
+    left = []
+    for _ in range(3):
+        torchring.init()
+        torchring.world_group().allreduce(torch.ones(4))
+        torchring.shutdown()
+        left.append(_shm_mappings())
+    return left
+
+
+def test_shutdown_releases_shared_memory_without_gc() -> None:
+    for rank, left in enumerate(spawn(2, _init_shutdown_cycles_job)):
+        assert left == [0, 0, 0], f"rank {rank}: /dev/shm mappings left after each shutdown: {left}"
+
+
 def _many_groups_job(rank: int, count: int) -> float:
     import torchring
 

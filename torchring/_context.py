@@ -132,6 +132,7 @@ def shutdown() -> None:
     if _state is None:
         return
     state, _state = _state, None
+    state.world_group = None  # it holds the state: without this, the communicator lives until a gc pass
     groups, state.groups = list(state.groups.values()), {}
     for comm in groups:  # every group first: their queues fail, the world's work may still end
         comm.shutdown()

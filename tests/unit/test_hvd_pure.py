@@ -371,6 +371,8 @@ def test_tensors_that_cannot_go_to_the_engine() -> None:
         ops_reduce.check_tensor(torch.eye(2).to_sparse(), "allreduce")
     with pytest.raises(ValueError, match="contiguous"):
         ops_reduce.check_tensor(torch.ones(3, 4).t(), "allreduce_", in_place=True)
+    with pytest.raises(ValueError, match="complex64 is not supported"):
+        ops_reduce.check_tensor(torch.ones(2, dtype=torch.complex64), "allreduce")
     t = torch.ones(3, 4).t()
     assert ops_reduce.check_tensor(t, "allreduce") is t
 

@@ -180,6 +180,7 @@ class Negotiator:
 
     # ------------------------------------------------------------------ the thread
     def _loop(self) -> None:
+        idle = 0  # rounds in a row that neither made progress nor carried a new request
         try:
             while True:
                 with self._lock:
@@ -189,10 +190,13 @@ class Negotiator:
                         return
                     new, self._queue = self._queue, []
                 progressed = self._run_round([e.request for e in new])
+                idle = 0 if progressed or new else idle + 1
                 if not progressed:
-                    with self._lock:  # nothing became ready: wait a cycle (or for new requests)
+                    # Nothing became ready: wait a cycle, longer after each fruitless round (up
+                    # to 10 cycles), or until this rank submits something.
+                    with self._lock:
                         if not self._queue and not self._stopping:
-                            self._lock.wait(self._cycle_s)
+                            self._lock.wait(self._cycle_s * min(1 + idle, 10))
                 self._check_stalls()
         except BaseException as exc:  # the communicator failed: every entry fails with it
             with self._lock:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .. import cuda
+from .._types import DTYPES
 from . import handles
 from .basics import Adasum, Average, Sum, to_reduce_op
 from .compression import Compression
@@ -54,6 +55,9 @@ def check_tensor(t: Any, what: str, in_place: bool = False) -> torch.Tensor:
     if t.is_sparse:
         raise ValueError(f"hvd.{what}: sparse tensors go through hvd.sparse_allreduce_async (or "
                          "DistributedOptimizer(sparse_as_dense=True))")
+    if t.dtype not in DTYPES:
+        raise ValueError(f"hvd.{what}: tensor dtype {t.dtype} is not supported; use one of "
+                         f"{', '.join(str(d).removeprefix('torch.') for d in DTYPES)}")
     if in_place and not t.is_contiguous():
         raise ValueError(f"hvd.{what}: the tensor is required to be contiguous (it is written in place)")
     return t
