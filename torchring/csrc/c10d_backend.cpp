@@ -9,7 +9,7 @@
 //   allreduce_coal.  ALLREDUCE_MANY
 //   broadcast        BROADCAST            reduce    REDUCE
 //   allgather (list) ALLGATHER, then the gathered rows are copied into each output
-//   _allgather_base  ALLGATHER of the input, copied into the flat output
+//   _allgather_base  ALLGATHER of the input straight into the output
 //   gather           GATHER, rows copied into the root's outputs
 //   scatter          SCATTER (the root's chunks concatenated)
 //   reduce_scatter   REDUCE_SCATTER of the inputs stacked along a new dim 0, into the output
@@ -304,9 +304,16 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::_allgather_base(at::Tensor& output, 
                     " elements of ", output.scalar_type());
   auto work = make(c10d::OpType::_ALLGATHER_BASE, {output});
   at::Tensor flat = hostIn(input).reshape({1, -1});
-  auto gathered = comm_->submit(OpKind::ALLGATHER, flat, ReduceOp::SUM, -1, !opts.asyncOp);
-  at::Tensor out = output;
-  work->post = [gathered, out]() mutable { out.copy_(gathered->wait(0).view(out.sizes())); };
+  OpArgs args;
+  args.out = staged(output, *work);  // the engine gathers straight into it
+  auto gathered = comm_->submit(OpKind::ALLGATHER, flat, ReduceOp::SUM, -1, !opts.asyncOp, args);
+  at::Tensor out = args.out;
+  auto previous = work->post;
+  work->post = [gathered, out, previous]() mutable {
+    at::Tensor all = gathered->wait(0);
+    if (!all.is_same(out)) out.copy_(all.view(out.sizes()));
+    if (previous) previous();  // a staged output: copy back
+  };
   work->keep.push_back(flat);
   work->engine.push_back(gathered);
   return launch(work);

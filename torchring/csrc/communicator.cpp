@@ -471,8 +471,8 @@ at::Tensor Communicator::run(Op& op) {
   char* data = op.tensor.defined() ? static_cast<char*>(op.tensor.data_ptr()) : nullptr;
   switch (static_cast<OpKind>(header.kind)) {
     case OpKind::REDUCE_SCATTER:
-      result = reduceScatter(op.tensor, header, headers);
-      if (op.args.out.defined()) result = op.args.out.copy_(result);
+      result = reduceScatter(op.tensor, header, headers, op.args.out);
+      if (op.args.out.defined() && !result.is_same(op.args.out)) result = op.args.out.copy_(result);
       break;
     case OpKind::ALLREDUCE:
       if (header.prescale != 1.0) scaleInPlace(data, header.count, static_cast<DType>(header.dtype), header.prescale);
@@ -501,7 +501,7 @@ at::Tensor Communicator::run(Op& op) {
       broadcast(data, op.tensor.nbytes(), header.root);
       break;
     case OpKind::ALLGATHER:
-      result = allgather(op.tensor, headers);
+      result = allgather(op.tensor, headers, op.args.out);
       break;
     case OpKind::BARRIER:
       break;

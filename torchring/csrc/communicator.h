@@ -64,7 +64,7 @@ struct FailureBoard {
 
 // What some collectives take besides the tensor (communicator.cpp's submit() checks them).
 struct OpArgs {
-  at::Tensor out;                  // reduce_scatter, alltoall: write the result here
+  at::Tensor out;                  // reduce_scatter, alltoall, allgather: write the result here
   std::vector<at::Tensor> tensors;  // allreduce_many: the tensors; scatter: [the root's chunks]
   double prescale = 1.0, postscale = 1.0;  // allreduce, reduce_scatter, allreduce_many
   at::Tensor sendSplits;           // alltoall: int64[size], rows for each rank
@@ -138,9 +138,11 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   void checkHeaders(const std::vector<OpHeader>& headers) const;
   void allreduce(char* data, const OpHeader& header, const std::vector<OpHeader>& headers);
   void broadcast(char* data, size_t bytes, int root);
-  at::Tensor allgather(const at::Tensor& input, const std::vector<OpHeader>& headers);
+  // `out`, when defined and of the result's size, receives the result (else a new tensor does).
+  at::Tensor allgather(const at::Tensor& input, const std::vector<OpHeader>& headers,
+                       const at::Tensor& out = at::Tensor());
   at::Tensor reduceScatter(const at::Tensor& input, const OpHeader& header,
-                           const std::vector<OpHeader>& headers);
+                           const std::vector<OpHeader>& headers, const at::Tensor& out = at::Tensor());
   // rooted.cpp: the collectives added on top of the above and of point-to-point transfers.
   at::Tensor reduce(Op& op, const std::vector<OpHeader>& headers);
   at::Tensor gather(Op& op);

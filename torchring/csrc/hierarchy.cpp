@@ -43,14 +43,14 @@ void Communicator::allreduce(char* data, const OpHeader& header,
 // whole tensor. Otherwise an allreduce of a copy, keeping this rank's rows. The prescale
 // multiplies a copy of the input; AVG's 1/size and the postscale go to the sum.
 at::Tensor Communicator::reduceScatter(const at::Tensor& input, const OpHeader& header,
-                                       const std::vector<OpHeader>& headers) {
+                                       const std::vector<OpHeader>& headers, const at::Tensor& given) {
   const int64_t total = input.size(0);
   const int64_t rows = rowsOf(total, opt_.size, opt_.rank);
   const auto dtype = static_cast<DType>(header.dtype);
   std::vector<int64_t> sizes = input.sizes().vec();
   sizes[0] = rows;
   if (numHosts() == 1 && shm_ && total % opt_.size == 0) {
-    at::Tensor out = at::empty(sizes, input.options());
+    at::Tensor out = given.defined() ? given : at::empty(sizes, input.options());  // checkArgs checked it
     at::Tensor src = input;
     if (header.prescale != 1.0) {
       src = input.clone();
@@ -79,7 +79,8 @@ void Communicator::broadcast(char* data, size_t bytes, int root) {
 
 // Allgather with a different dim-0 size per rank: gather within the host, exchange whole
 // host blocks around the leaders' ring, then the leader hands the full result to its host.
-at::Tensor Communicator::allgather(const at::Tensor& input, const std::vector<OpHeader>& headers) {
+at::Tensor Communicator::allgather(const at::Tensor& input, const std::vector<OpHeader>& headers,
+                                   const at::Tensor& given) {
   const size_t esize = input.element_size();
   std::vector<size_t> offset(opt_.size + 1, 0);
   int64_t rows = 0;
@@ -90,7 +91,10 @@ at::Tensor Communicator::allgather(const at::Tensor& input, const std::vector<Op
   std::vector<int64_t> sizes = input.sizes().vec();
   if (sizes.empty()) sizes.push_back(1);
   sizes[0] = rows;
-  at::Tensor out = at::empty(sizes, input.options());
+  // The caller's output when it has the result's size (c10d's all_gather_into_tensor): no
+  // allocation, no copy. Sizes are known only now, so a wrong one falls back to a new tensor.
+  const bool fits = given.defined() && static_cast<size_t>(given.nbytes()) == offset[opt_.size];
+  at::Tensor out = fits ? given : at::empty(sizes, input.options());
   char* dst = static_cast<char*>(out.data_ptr());
   const char* src = static_cast<const char*>(input.data_ptr());
   const auto& local = opt_.hosts[hostIndex_];

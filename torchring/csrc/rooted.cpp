@@ -81,6 +81,12 @@ void Communicator::checkArgs(OpKind kind, const at::Tensor& tensor, int root, co
                         tensorText(args.out));
     }
   }
+  if (kind == OpKind::ALLGATHER && args.out.defined()) {
+    TORCH_CHECK_VALUE(args.out.scalar_type() == tensor.scalar_type() && args.out.is_contiguous() &&
+                          args.out.device().is_cpu(),
+                      what, " of ", tensorText(tensor), ": the output must be a contiguous CPU tensor of its dtype, got ",
+                      tensorText(args.out));
+  }
   if (kind == OpKind::SCATTER && opt_.rank == root) {
     TORCH_CHECK_VALUE(args.tensors.size() == 1, what, ": the root passes its chunks as one tensor");
     const at::Tensor& all = args.tensors[0];
