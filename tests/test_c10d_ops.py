@@ -74,7 +74,8 @@ def _check_broadcast_reduce(chk: Checker, rank: int, world: int) -> None:
             numel = int(torch.tensor(shape).prod()) if shape else 1
             t = rank_input(rank, world, numel, dtype, shape=shape)
             dist.broadcast(t, src=src)
-            chk.equal(f"broadcast({dtype}{list(shape)}, src={src})", t, rank_input(src, world, numel, dtype, shape=shape))
+            chk.equal(f"broadcast({dtype}{list(shape)}, src={src})", t,
+                      rank_input(src, world, numel, dtype, shape=shape))
         base = rank_input(rank, world, 12, torch.int32, shape=(3, 4))
         dist.broadcast(base[:, 1], src=src)
         want = base.clone()
@@ -153,6 +154,49 @@ def _check_reduce_scatter(chk: Checker, rank: int, world: int) -> None:
     out = torch.zeros(4, 2).t()
     dist.reduce_scatter_tensor(out, inputs[rank].clone())
     chk.equal("reduce_scatter_tensor into a transposed view", out, reference(inputs, "SUM")[rank])
+
+
+def _check_coalesced(chk: Checker, rank: int, world: int) -> None:
+    """Ops batched by torch's coalescing manager (as FSDP1 and DTensor issue them)."""
+    import warnings
+
+    import torch.distributed as dist
+
+    ins = [rank_input(rank, world, 2, torch.float32), rank_input(rank, world, 3, torch.int64)]
+    outs = [torch.zeros(world * 2), torch.zeros(world * 3, dtype=torch.int64)]
+    with dist._coalescing_manager(async_ops=True) as cm:
+        for o, i in zip(outs, ins):
+            dist.all_gather_into_tensor(o, i)
+    cm.wait()
+    for o, (n, dtype) in zip(outs, [(2, torch.float32), (3, torch.int64)]):
+        chk.equal(f"coalesced all_gather_into_tensor({dtype})", o,
+                  torch.cat([rank_input(r, world, n, dtype) for r in range(world)]))
+    full = [[rank_input(r, world, world * n, torch.float32) for r in range(world)] for n in (2, 3)]
+    outs = [torch.zeros(2), torch.zeros(3)]
+    with dist._coalescing_manager(async_ops=True) as cm:
+        for o, per_rank in zip(outs, full):
+            dist.reduce_scatter_tensor(o, per_rank[rank].clone())
+    cm.wait()
+    for o, per_rank, n in zip(outs, full, (2, 3)):
+        chk.equal(f"coalesced reduce_scatter_tensor[{n}]", o, reference(per_rank, "SUM")[rank * n:(rank + 1) * n])
+    ts = [rank_input(rank, world, n, torch.int32) for n in (2, 5)]
+    with dist._coalescing_manager(async_ops=True) as cm:
+        for t in ts:
+            dist.all_reduce(t)
+    cm.wait()
+    for t, n in zip(ts, (2, 5)):
+        chk.equal(f"coalesced all_reduce[{n}]", t, expected_allreduce(world, n, torch.int32, "SUM"))
+    # The deprecated all_gather_coalesced: right, or refused by name.
+    outs = [[torch.zeros(2) for _ in range(world)], [torch.zeros(1) for _ in range(world)]]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            dist.all_gather_coalesced(outs, [rank_input(rank, world, 2, torch.float32),
+                                             rank_input(rank, world, 1, torch.float32)])
+        for r in range(world):
+            chk.equal(f"all_gather_coalesced row of rank {r}", outs[0][r], rank_input(r, world, 2, torch.float32))
+    except RuntimeError as e:
+        chk.true("all_gather_coalesced refused by name", "allgather_coalesced" in str(e), f"says {e}")
 
 
 def _check_all_to_all(chk: Checker, rank: int, world: int) -> None:
@@ -245,7 +289,8 @@ def _check_async(chk: Checker, rank: int, world: int) -> None:
     value = fut.wait()
     chk.true("all_reduce future value", isinstance(value, list) and len(value) == 1, f"got {value!r}")
     if isinstance(value, list) and value:
-        chk.equal("all_reduce future value[0]", value[0], want)
+        chk.equal("all_reduce future wait()[0]", value[0], want)
+        chk.equal("all_reduce future value()[0]", fut.value()[0], want)
     chk.equal("fut.then(...) chained value", chained.wait(), want * 2)
     outs = [torch.zeros(3, dtype=torch.int64) for _ in range(world)]
     work = dist.all_gather(outs, rank_input(rank, world, 3, torch.int64), async_op=True)
@@ -278,7 +323,8 @@ def _check_groups(chk: Checker, rank: int, world: int) -> None:
     if rank in ends:
         t = rank_input(rank, world, 6, torch.float32)
         dist.all_reduce(t, group=g_ends)
-        chk.equal(f"all_reduce in group {ends}", t, reference([rank_input(r, world, 6, torch.float32) for r in ends], "SUM"))
+        want = reference([rank_input(r, world, 6, torch.float32) for r in ends], "SUM")
+        chk.equal(f"all_reduce in group {ends}", t, want)
         objs = [None] * len(ends)
         dist.all_gather_object(objs, {"rank": rank}, group=g_ends)
         chk.true(f"all_gather_object in group {ends}", objs == [{"rank": r} for r in ends], f"got {objs}")
@@ -295,7 +341,8 @@ def _check_groups(chk: Checker, rank: int, world: int) -> None:
     members = list(range(rank % 2, world, 2))
     t = rank_input(rank, world, 3, torch.float64)
     dist.all_reduce(t, group=sub)
-    chk.equal(f"all_reduce in subgroup {members}", t, reference([rank_input(r, world, 3, torch.float64) for r in members], "SUM"))
+    want = reference([rank_input(r, world, 3, torch.float64) for r in members], "SUM")
+    chk.equal(f"all_reduce in subgroup {members}", t, want)
     # The default group still works after the sub-groups' traffic.
     t = rank_input(rank, world, 3, torch.int64)
     dist.all_reduce(t)
@@ -322,7 +369,8 @@ def _check_objects(chk: Checker, rank: int, world: int) -> None:
         gathered = [None] * world if rank == src else None
         dist.gather_object(obj(rank), gathered, dst=src)
         if rank == src:
-            chk.true(f"gather_object(dst={src})", all(same(gathered[r], obj(r)) for r in range(world)), f"got {gathered}")
+            chk.true(f"gather_object(dst={src})", all(same(gathered[r], obj(r)) for r in range(world)),
+                     f"got {gathered}")
         got = [None]
         dist.scatter_object_list(got, [obj(10 * src + r) for r in range(world)] if rank == src else None, src=src)
         chk.true(f"scatter_object_list(src={src})", same(got[0], obj(10 * src + rank)), f"got {got}")
@@ -364,7 +412,7 @@ def _all_checks(rank: int, world: int, init_method: str | None, ckpt: str) -> li
         chk.true("get_backend()", dist.get_backend() == "torchring", f"got {dist.get_backend()!r}")
         chk.true("(get_rank, get_world_size)", (dist.get_rank(), dist.get_world_size()) == (rank, world))
         for check in (_check_all_reduce, _check_broadcast_reduce, _check_gathers, _check_reduce_scatter,
-                      _check_all_to_all, _check_p2p, _check_async, _check_groups, _check_objects):
+                      _check_coalesced, _check_all_to_all, _check_p2p, _check_async, _check_groups, _check_objects):
             check(chk, rank, world)
             dist.barrier()
         _check_checkpoint(chk, rank, world, ckpt)
