@@ -16,7 +16,7 @@ import torch
 from _c10d import finish, init_pg
 from _checks import (DTYPES, FLOAT_DTYPES, Checker, assert_no_failures, expected_allreduce, rank_input,
                      reference, valid_ops)
-from _dist import spawn
+from _dist import hybrid_env, spawn
 
 
 def _op(name: str, factor: float | None = None):
@@ -421,8 +421,11 @@ def _all_checks(rank: int, world: int, init_method: str | None, ckpt: str) -> li
     return chk.failures
 
 
-@pytest.mark.parametrize("world,init", [(2, "env"), (3, "env"), (2, "file"), (3, "file")])
-def test_every_op(world: int, init: str, tmp_path) -> None:
-    """Every op, reduce op and dtype at worlds 2 and 3, the group made through env:// or file://."""
+@pytest.mark.parametrize("world,init,hosts", [(2, "env", None), (3, "env", None), (2, "file", None),
+                                              (3, "file", None), (3, "env", ["a", "a", "b"])])
+def test_every_op(world: int, init: str, hosts: list[str] | None, tmp_path) -> None:
+    """Every op, reduce op and dtype at worlds 2 and 3, the group made through env:// or file://
+    (and once over two fake hosts: shared memory within one, TCP between them)."""
     method = "env://" if init == "env" else f"file://{tmp_path / 'rendezvous'}"
-    assert_no_failures(spawn(world, _all_checks, world, method, str(tmp_path / "ckpt"), timeout=120))
+    assert_no_failures(spawn(world, _all_checks, world, method, str(tmp_path / "ckpt"), timeout=120,
+                             rank_env=hybrid_env(hosts) if hosts else None))
