@@ -205,9 +205,6 @@ def _timeout_advice(rank: int) -> str:
     return "did not raise"
 
 
-@pytest.mark.xfail(strict=True, reason="torchring bug: the c10d backend's timeout error advises raising "
-                   "TORCHRING_TIMEOUT and calling torchring.shutdown()/init(); under torch.distributed the "
-                   "timeout is init_process_group(timeout=...) and the restart is destroy/init_process_group")
 def test_timeout_error_gives_torch_distributed_advice() -> None:
     """The fix a torch.distributed user can apply: no TORCHRING_TIMEOUT, no torchring.init()."""
     msg = spawn(2, _timeout_advice, timeout=60)[0]

@@ -466,8 +466,6 @@ def _avg_on_integers(rank: int, world: int) -> list[str]:
     return chk.failures
 
 
-@pytest.mark.xfail(strict=True, reason="torchring bug: AVG on integer tensors returns the SUM through the c10d "
-                   "backend (gloo raises; torchring.allreduce refuses it)")
 def test_avg_on_integers_is_refused_or_right() -> None:
     """AVG of int32 tensors: never the sum (a silently wrong result)."""
     assert_no_failures(spawn(2, _avg_on_integers, 2, timeout=60))

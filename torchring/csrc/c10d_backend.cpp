@@ -51,6 +51,43 @@ std::vector<c10::Device> devicesOf(const std::vector<at::Tensor>& outputs,
   return devices;
 }
 
+// `message` with the advice torchring's own API gives replaced by torch.distributed's (the
+// timeout is init_process_group's, the restart is destroy/init_process_group).
+std::string torchAdvice(std::string message) {
+  const std::pair<const char*, const char*> swaps[] = {
+      {kRecoveryHint, "the process group failed: call dist.destroy_process_group() and "
+                      "dist.init_process_group() on every rank to start over (or let torchrun "
+                      "--max-restarts restart the job)"},
+      {"raise TORCHRING_TIMEOUT", "raise init_process_group(timeout=...)"},
+      {"torchring.shutdown()", "dist.destroy_process_group()"},
+      {"torchring.init()", "dist.init_process_group()"},
+  };
+  for (const auto& [from, to] : swaps) {
+    const std::string needle(from);
+    for (size_t at = message.find(needle); at != std::string::npos; at = message.find(needle, at + 1)) {
+      message.replace(at, needle.size(), to);
+    }
+  }
+  return message;
+}
+
+// The same exception class as `error`, its message in torch.distributed's words.
+std::exception_ptr forTorch(std::exception_ptr error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const MismatchError& e) {
+    return std::make_exception_ptr(MismatchError(torchAdvice(e.what())));
+  } catch (const CommFailedError& e) {
+    return std::make_exception_ptr(CommFailedError(torchAdvice(e.what())));
+  } catch (const WaitTimeoutError& e) {
+    return std::make_exception_ptr(WaitTimeoutError(torchAdvice(e.what())));
+  } catch (const TorchringError& e) {
+    return std::make_exception_ptr(TorchringError(torchAdvice(e.what())));
+  } catch (...) {
+    return error;
+  }
+}
+
 }  // namespace
 
 C10dWork::C10dWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs, bool nested,
@@ -67,7 +104,7 @@ void C10dWork::complete() {
     for (auto& w : engine) w->wait(0);  // all finished: rethrows the first failure
     if (post) post();
   } catch (...) {
-    error = std::current_exception();
+    error = forTorch(std::current_exception());
   }
   engine.clear();  // drops the engine operations (and their callbacks, which hold this work)
   keep.clear();

@@ -290,7 +290,7 @@ OpHeader Communicator::makeHeader(OpKind kind, const at::Tensor& tensor, ReduceO
 
 std::shared_ptr<CpuWork> Communicator::submit(OpKind kind, at::Tensor tensor, ReduceOp op, int root,
                                            bool runInline, OpArgs args) {
-  checkArgs(kind, tensor, root, args);
+  checkArgs(kind, tensor, op, root, args);
   Op item;
   item.header = makeHeader(kind, tensor, op, root, &args);
   item.tensor = std::move(tensor);

@@ -121,7 +121,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
     OpArgs args;
     std::shared_ptr<CpuWork> work;
   };
-  void checkArgs(OpKind kind, const at::Tensor& tensor, int root, const OpArgs& args) const;
+  void checkArgs(OpKind kind, const at::Tensor& tensor, ReduceOp op, int root, const OpArgs& args) const;
   void checkPeer(const at::Tensor& tensor, int peer, int64_t tag, const char* what) const;
   void onP2PFailure(const std::string& message);
   void postFailure(const std::string& message);

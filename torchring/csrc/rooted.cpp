@@ -40,7 +40,8 @@ void Communicator::waitAll(const std::vector<std::shared_ptr<CpuWork>>& works) {
 
 // The Python API checks these for its callers with its own words; the engine is bound
 // directly too (tests), so it checks again. TORCH_CHECK_VALUE raises ValueError.
-void Communicator::checkArgs(OpKind kind, const at::Tensor& tensor, int root, const OpArgs& args) const {
+void Communicator::checkArgs(OpKind kind, const at::Tensor& tensor, ReduceOp op, int root,
+                             const OpArgs& args) const {
   const std::string what = rankText() + ": " + kindName(kind);
   if (kind == OpKind::ALLREDUCE_MANY) {
     TORCH_CHECK_VALUE(!args.tensors.empty(), what, " needs at least one tensor");
@@ -54,6 +55,14 @@ void Communicator::checkArgs(OpKind kind, const at::Tensor& tensor, int root, co
     TORCH_CHECK_VALUE(kind == OpKind::BARRIER || tensor.defined(), what, " needs a tensor");
     TORCH_CHECK_VALUE(!tensor.defined() || (tensor.device().is_cpu() && tensor.is_contiguous()), what,
                       " needs a contiguous CPU tensor, got ", tensorText(tensor), " on ", tensor.device());
+  }
+  const bool reducing = kind == OpKind::ALLREDUCE || kind == OpKind::REDUCE || kind == OpKind::REDUCE_SCATTER ||
+                        kind == OpKind::ALLREDUCE_MANY;
+  if (reducing && op == ReduceOp::AVG) {
+    const at::Tensor& t = kind == OpKind::ALLREDUCE_MANY ? args.tensors[0] : tensor;
+    TORCH_CHECK_VALUE(isFloating(t.scalar_type()), what, " of ", tensorText(t),
+                      ": AVG needs a floating-point tensor (an integer average would be rounded); "
+                      "use SUM and divide, or convert to float");
   }
   const bool rooted = kind == OpKind::BROADCAST || kind == OpKind::REDUCE || kind == OpKind::GATHER ||
                       kind == OpKind::SCATTER;
