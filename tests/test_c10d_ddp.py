@@ -9,7 +9,7 @@ a few float32 roundings, far below what one step moves them. Each case also chec
 moved the parameters and that every rank holds the same torchring parameters.
 
 The Lightning test (``Trainer.fit`` with ``DDPStrategy(process_group_backend="torchring")`` against
-the same fit on gloo) needs the optional ``lightning`` extra and is skipped without it.
+the same fit on gloo) needs Lightning, which the ``test`` extra installs.
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ def _lightning_fit(rank: int, backend: str) -> dict[str, torch.Tensor]:
 
 def test_lightning_ddp_strategy_matches_gloo() -> None:
     """Trainer.fit with DDPStrategy(process_group_backend="torchring") ends at gloo's weights."""
-    pytest.importorskip("lightning", reason="Lightning is an optional test extra: pip install -e '.[lightning]'")
+    pytest.importorskip("lightning", reason="Lightning is in the test extra: pip install -e '.[test]'")
     runs = {b: spawn(2, _lightning_fit, b, timeout=150) for b in ("torchring", "gloo")}
     chk = Checker(-1)
     start = {k: torch.from_numpy(v) for k, v in runs["torchring"][0]["start"].items()}  # rank 0's init
