@@ -8,7 +8,8 @@
 //   allreduce        ALLREDUCE (PREMUL_SUM(f): SUM with prescale f)
 //   allreduce_coal.  ALLREDUCE_MANY
 //   broadcast        BROADCAST            reduce    REDUCE
-//   allgather (list) ALLGATHER, then the gathered rows are copied into each output
+//   allgather (list) ALLGATHER, then the gathered rows are copied into each output (and the
+//                    deprecated allgather_coalesced: one ALLGATHER per input)
 //   _allgather_base  ALLGATHER of the input straight into the output
 //   gather           GATHER, rows copied into the root's outputs
 //   scatter          SCATTER (the root's chunks concatenated)
@@ -353,6 +354,44 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::_allgather_base(at::Tensor& output, 
   };
   work->keep.push_back(flat);
   work->engine.push_back(gathered);
+  return launch(work);
+}
+
+c10::intrusive_ptr<c10d::Work> C10dBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputLists,
+                                                                std::vector<at::Tensor>& inputs,
+                                                                const c10d::AllgatherOptions& opts) {
+  TORCH_CHECK_VALUE(outputLists.size() == inputs.size(), where("all_gather_coalesced"), ": ",
+                    outputLists.size(), " output lists for ", inputs.size(), " inputs");
+  std::vector<at::Tensor> flatOuts;
+  std::vector<std::pair<std::shared_ptr<CpuWork>, std::vector<at::Tensor>>> parts;
+  std::vector<at::Tensor> keep;
+  std::vector<std::shared_ptr<CpuWork>> engine;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    checked(inputs[i], "all_gather_coalesced", "an input");
+    TORCH_CHECK_VALUE(static_cast<int>(outputLists[i].size()) == size_, where("all_gather_coalesced"),
+                      ": output list ", i, " must hold ", size_, " tensors");
+    for (auto& o : outputLists[i]) {
+      checked(o, "all_gather_coalesced", "an output");
+      TORCH_CHECK_VALUE(o.numel() == inputs[i].numel() && o.scalar_type() == inputs[i].scalar_type(),
+                        where("all_gather_coalesced"), ": every output of list ", i, " must have input ", i,
+                        "'s size and dtype");
+      flatOuts.push_back(o);
+    }
+    at::Tensor flat = hostIn(inputs[i]).reshape({1, -1});
+    engine.push_back(comm_->submit(OpKind::ALLGATHER, flat, ReduceOp::SUM, -1, false));
+    keep.push_back(flat);
+    parts.emplace_back(engine.back(), outputLists[i]);
+  }
+  auto work = c10::make_intrusive<C10dWork>(rank_, c10d::OpType::ALLGATHER_COALESCED, flatOuts, true,
+                                            outputLists);
+  work->engine = std::move(engine);
+  work->keep = std::move(keep);
+  work->post = [parts]() {
+    for (auto& [gathered, outs] : parts) {
+      at::Tensor all = gathered->wait(0);
+      for (size_t r = 0; r < outs.size(); ++r) outs[r].copy_(all[r].view(outs[r].sizes()));
+    }
+  };
   return launch(work);
 }
 
