@@ -88,10 +88,7 @@ def init(timeout: float | None = None) -> None:
         if theirs != transport:
             raise ValueError(f"rank {rank}: TORCHRING_TRANSPORT is {transport!r} here but {theirs!r} on "
                              "rank 0; every rank must use the same transport setting")
-        store.set(prefix + f"host/{rank}", host)
-        hosts = [host if r == rank else _rendezvous.get(store, prefix + f"host/{r}", rank,
-                                             f"rank {r} to join", timeout).decode()
-                 for r in range(world)]
+        hosts = _rendezvous.hosts_of(store, prefix, rank, world, host, timeout)
     else:
         secret, hosts = "", [host]
     real_groups = _rendezvous.host_groups(hosts)

@@ -70,6 +70,13 @@ def get(store: dist.Store, key: str, rank: int, what: str, timeout: float) -> by
             "and MASTER_PORT, and is none of them dead?") from exc
 
 
+def hosts_of(store: dist.Store, prefix: str, rank: int, world: int, host: str, timeout: float) -> list[str]:
+    """Every rank's host name, by rank: this rank publishes `host` and reads the others'."""
+    store.set(prefix + f"host/{rank}", host)
+    return [host if r == rank else get(store, prefix + f"host/{r}", rank, f"rank {r} to join", timeout).decode()
+            for r in range(world)]
+
+
 def route_addr(master_addr: str, override: str | None) -> str:
     """The local address on the route to the store's host (what peers can connect to)."""
     if override:

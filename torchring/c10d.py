@@ -55,10 +55,7 @@ def _create(options: Any, pg_options: Any = None) -> Any:
         if rank == 0:
             store.set(prefix + "secret", secrets.token_hex(16))
         secret = _rendezvous.get(store, prefix + "secret", rank, "the group's rank 0", timeout).decode()
-        store.set(prefix + f"host/{rank}", host)
-        hosts = [host if r == rank else _rendezvous.get(store, prefix + f"host/{r}", rank,
-                                                        f"rank {r} of the group to join", timeout).decode()
-                 for r in range(size)]
+        hosts = _rendezvous.hosts_of(store, prefix, rank, size, host, timeout)
     else:
         secret, hosts = "", [host]
     groups = _rendezvous.host_groups(hosts)

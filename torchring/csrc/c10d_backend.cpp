@@ -259,6 +259,11 @@ at::Tensor staged(const at::Tensor& t, C10dWork& work) {
   return copy;
 }
 
+// Row r of the gathered `all` into outs[r] (list-form allgather and gather).
+void copyRows(const at::Tensor& all, const std::vector<at::Tensor>& outs) {
+  for (size_t r = 0; r < outs.size(); ++r) outs[r].copy_(all[r].view(outs[r].sizes()));
+}
+
 }  // namespace
 
 c10::intrusive_ptr<c10d::Work> C10dBackend::allreduce(std::vector<at::Tensor>& tensors,
@@ -323,10 +328,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::allgather(std::vector<std::vector<at
   at::Tensor flat = hostIn(in).reshape({1, -1});
   auto gathered = comm_->submit(OpKind::ALLGATHER, flat, ReduceOp::SUM, -1, !opts.asyncOp);
   std::vector<at::Tensor> outs = outputs[0];
-  work->post = [gathered, outs]() {
-    at::Tensor all = gathered->wait(0);
-    for (size_t r = 0; r < outs.size(); ++r) outs[r].copy_(all[r].view(outs[r].sizes()));
-  };
+  work->post = [gathered, outs]() { copyRows(gathered->wait(0), outs); };
   work->keep.push_back(flat);
   work->engine.push_back(gathered);
   return launch(work);
@@ -387,10 +389,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::allgather_coalesced(std::vector<std:
   work->engine = std::move(engine);
   work->keep = std::move(keep);
   work->post = [parts]() {
-    for (auto& [gathered, outs] : parts) {
-      at::Tensor all = gathered->wait(0);
-      for (size_t r = 0; r < outs.size(); ++r) outs[r].copy_(all[r].view(outs[r].sizes()));
-    }
+    for (auto& [gathered, outs] : parts) copyRows(gathered->wait(0), outs);
   };
   return launch(work);
 }
@@ -440,10 +439,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::gather(std::vector<std::vector<at::T
                                             rank_ == root ? outputs : std::vector<std::vector<at::Tensor>>{});
   at::Tensor flat = hostIn(in).reshape({1, -1});
   auto gathered = comm_->submit(OpKind::GATHER, flat, ReduceOp::SUM, root, false);
-  work->post = [gathered, outs]() {
-    at::Tensor all = gathered->wait(0);
-    for (size_t r = 0; r < outs.size(); ++r) outs[r].copy_(all[r].view(outs[r].sizes()));
-  };
+  work->post = [gathered, outs]() { copyRows(gathered->wait(0), outs); };
   work->keep.push_back(flat);
   work->engine.push_back(gathered);
   return launch(work);
