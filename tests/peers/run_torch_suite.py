@@ -46,16 +46,10 @@ import sys
 _RUN_AS_TOOL = __name__ == "__main__"
 
 # Tests expected to fail on torchring, strict (an unexpected pass fails the run), each with why.
-_COALESCED = ("torchring's backend refuses allgather_coalesced (the deprecated list-of-lists "
-              "all_gather_coalesced) by name: 'Backend torchring does not support allgather_coalesced'")
 EXPECTED_FAILURES: dict[str, str] = {
     "test_ddp_logging_data_cpu": "DDP's logger records ProcessGroup::getBackendName(), which is 'custom' "
     "for every backend registered with register_backend (ProcessGroup.hpp backendTypeToString), while "
     "the test compares it with dist.get_backend(), 'torchring'; torch's, no backend can change it",
-    "test_all_gather_coalesced_complex": _COALESCED,
-    "test_all_gather_coalesced_full_group": _COALESCED,
-    "test_all_gather_coalesced_simple": _COALESCED,
-    "test_all_gather_coalesced_with_empty": _COALESCED,
 }
 
 # Skip messages accepted as reasons, each with why it is not a shortfall of torchring's (a skip
@@ -238,8 +232,12 @@ def _name_gated(out: str, init: str) -> list[str]:
     path = os.path.join(out, f"torchring-{init}.xml")
     if not os.path.exists(path):
         return []
-    return sorted(n for n, (status, msg) in _outcomes(path).items()
-                  if status == "skipped" and skip_reason(msg) == NAME_GATE)
+    gated = {n for n, (status, msg) in _outcomes(path).items()
+             if status == "skipped" and skip_reason(msg) == NAME_GATE}
+    gloo = os.path.join(out, f"gloo-{init}.xml")
+    if os.path.exists(gloo):  # only those gloo passes (the rest need GPUs anyway)
+        gated &= {n for n, (status, _) in _outcomes(gloo).items() if status == "passed"}
+    return sorted(gated)
 
 
 def _counts(res: dict[str, tuple[str, str]]) -> dict[str, int]:
@@ -278,20 +276,27 @@ def _report(out: str, inits: list[str]) -> dict:
             if r_status == "passed":
                 continue
             if r_status == "xfailed":
-                why = f"expected failure: {EXPECTED_FAILURES.get(name, r_msg)}"
+                reason = f"expected failure: {EXPECTED_FAILURES.get(name, '(not listed here)')}"
             elif r_status == "skipped" and skip_reason(r_msg):
-                why = f"skipped ({r_msg}): {skip_reason(r_msg)}"
+                reason = f"skipped: {skip_reason(r_msg)}"
             else:
-                why = f"{r_status}: {r_msg}"
-                problems.append(f"{i}://: {name} passes on gloo, {why}")
+                reason = "NOT EXPLAINED"
+                problems.append(f"{i}://: {name} passes on gloo, on torchring {r_status}: {r_msg}")
             alias = runs.get(f"alias-{i}", {}).get(name)
-            if alias is not None:
-                why += f" [--alias-gloo: {alias[0]}{': ' + alias[1] if alias[0] != 'passed' else ''}]"
-            gaps.append({"init": i, "test": name, "torchring": r_status, "why": why})
-    if gaps:
+            gaps.append({"init": i, "test": name, "torchring": r_status, "message": r_msg, "reason": reason,
+                         "alias_gloo": alias})
+    if gaps:  # grouped by reason; each test once, with its init methods and torchring's message
         print("\npasses on gloo, not on torchring:")
+        groups: dict[str, dict[str, list[dict]]] = {}
         for g in gaps:
-            print(f"  [{g['init']}] {g['test']}: {g['why']}")
+            groups.setdefault(g["reason"], {}).setdefault(g["test"], []).append(g)
+        for reason, tests in groups.items():
+            print(f"  {reason}")
+            for name, entries in tests.items():
+                alias = [f"{e['init']}: {e['alias_gloo'][0]}" for e in entries if e["alias_gloo"]]
+                alias += sorted({e["alias_gloo"][1] for e in entries if e["alias_gloo"] and e["alias_gloo"][1]})
+                print(f"    {name} ({', '.join(e['init'] for e in entries)}): {entries[0]['message']}"
+                      + (f" [--alias-gloo {'; '.join(alias)}]" if alias else ""))
     if problems:
         print("\nPROBLEMS:")
         for p in problems:
