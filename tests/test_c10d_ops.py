@@ -187,14 +187,15 @@ def _check_coalesced(chk: Checker, rank: int, world: int) -> None:
     for t, n in zip(ts, (2, 5)):
         chk.equal(f"coalesced all_reduce[{n}]", t, expected_allreduce(world, n, torch.int32, "SUM"))
     # The deprecated all_gather_coalesced: right, or refused by name.
-    outs = [[torch.zeros(2) for _ in range(world)], [torch.zeros(1) for _ in range(world)]]
+    outs = [[torch.zeros(2), torch.zeros(1)] for _ in range(world)]  # torch's layout: [rank][input]
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             dist.all_gather_coalesced(outs, [rank_input(rank, world, 2, torch.float32),
                                              rank_input(rank, world, 1, torch.float32)])
         for r in range(world):
-            chk.equal(f"all_gather_coalesced row of rank {r}", outs[0][r], rank_input(r, world, 2, torch.float32))
+            chk.equal(f"all_gather_coalesced input 0 of rank {r}", outs[r][0], rank_input(r, world, 2, torch.float32))
+            chk.equal(f"all_gather_coalesced input 1 of rank {r}", outs[r][1], rank_input(r, world, 1, torch.float32))
     except RuntimeError as e:
         chk.true("all_gather_coalesced refused by name", "allgather_coalesced" in str(e), f"says {e}")
 

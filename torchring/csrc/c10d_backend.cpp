@@ -362,27 +362,29 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::_allgather_base(at::Tensor& output, 
 c10::intrusive_ptr<c10d::Work> C10dBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputLists,
                                                                 std::vector<at::Tensor>& inputs,
                                                                 const c10d::AllgatherOptions& opts) {
-  TORCH_CHECK_VALUE(outputLists.size() == inputs.size(), where("all_gather_coalesced"), ": ",
-                    outputLists.size(), " output lists for ", inputs.size(), " inputs");
-  std::vector<at::Tensor> flatOuts;
+  // torch's layout: outputLists[r][i] receives rank r's inputs[i].
+  TORCH_CHECK_VALUE(static_cast<int>(outputLists.size()) == size_, where("all_gather_coalesced"), ": expected ",
+                    size_, " output lists (one per rank), got ", outputLists.size());
+  std::vector<at::Tensor> flatOuts, keep;
   std::vector<std::pair<std::shared_ptr<CpuWork>, std::vector<at::Tensor>>> parts;
-  std::vector<at::Tensor> keep;
   std::vector<std::shared_ptr<CpuWork>> engine;
   for (size_t i = 0; i < inputs.size(); ++i) {
     checked(inputs[i], "all_gather_coalesced", "an input");
-    TORCH_CHECK_VALUE(static_cast<int>(outputLists[i].size()) == size_, where("all_gather_coalesced"),
-                      ": output list ", i, " must hold ", size_, " tensors");
-    for (auto& o : outputLists[i]) {
-      checked(o, "all_gather_coalesced", "an output");
+    std::vector<at::Tensor> outs;  // input i of every rank
+    for (int r = 0; r < size_; ++r) {
+      TORCH_CHECK_VALUE(outputLists[r].size() == inputs.size(), where("all_gather_coalesced"), ": output list ",
+                        r, " must hold ", inputs.size(), " tensors (one per input), got ", outputLists[r].size());
+      const at::Tensor& o = checked(outputLists[r][i], "all_gather_coalesced", "an output");
       TORCH_CHECK_VALUE(o.numel() == inputs[i].numel() && o.scalar_type() == inputs[i].scalar_type(),
-                        where("all_gather_coalesced"), ": every output of list ", i, " must have input ", i,
+                        where("all_gather_coalesced"), ": output ", i, " of rank ", r, " must have input ", i,
                         "'s size and dtype");
+      outs.push_back(o);
       flatOuts.push_back(o);
     }
     at::Tensor flat = hostIn(inputs[i]).reshape({1, -1});
     engine.push_back(comm_->submit(OpKind::ALLGATHER, flat, ReduceOp::SUM, -1, false));
     keep.push_back(flat);
-    parts.emplace_back(engine.back(), outputLists[i]);
+    parts.emplace_back(engine.back(), std::move(outs));
   }
   auto work = c10::make_intrusive<C10dWork>(rank_, c10d::OpType::ALLGATHER_COALESCED, flatOuts, true,
                                             outputLists);
