@@ -268,8 +268,7 @@ def _reducescatter(tensors: list[torch.Tensor], name: Any, op: int, ps: ProcessS
                                                  postscale_factor=e_post) for b in bufs])
 
     def finish(outs: list[torch.Tensor]) -> Any:
-        q = Request("", "reducescatter", op=op, postscale=post)
-        outs = [_int_finish(o, q, size) for o in outs]
+        outs = [_int_finish(o, op, post, size) for o in outs]
         return outs if grouped else outs[0]
 
     return submit(ps, name, "reducescatter", what, fields, start, finish, keep=(tensors, bufs),

@@ -23,7 +23,7 @@ import torch
 from .. import cuda
 from .._types import DTYPES
 from . import handles
-from .basics import Adasum, Average, Sum, to_reduce_op
+from .basics import Average, Sum, to_reduce_op
 from .compression import Compression
 from .negotiator import Done, Entry, Request, register_joined_starter
 from .process_sets import ProcessSet, global_process_set
@@ -95,22 +95,20 @@ def engine_scaling(q: Request, set_size: int) -> tuple[Any, float, float]:
     return engine_op, q.prescale, post
 
 
-def _int_finish(t: torch.Tensor, q: Request, set_size: int) -> torch.Tensor:
+def _int_finish(t: torch.Tensor, op: int, postscale: float, set_size: int) -> torch.Tensor:
     """Applies an integer tensor's postscale and Average after the sum (in place)."""
     if t.dtype.is_floating_point:
         return t
-    if q.postscale != 1.0:
-        t.copy_((t.double() * q.postscale).to(t.dtype))
-    if q.op == Average:
+    if postscale != 1.0:
+        t.copy_((t.double() * postscale).to(t.dtype))
+    if op == Average:
         t.copy_(torch.div(t, set_size, rounding_mode="trunc"))
     return t
 
 
 def _allreduce_request(tensors: Sequence[torch.Tensor], op: int, pre: float, post: float) -> dict[str, Any]:
-    if op == Adasum:
-        to_reduce_op(op)  # raises the NotImplementedError that explains
-    if op != Average:
-        to_reduce_op(op)  # an unknown op is a ValueError now, not in the negotiation thread
+    if op != Average:  # Adasum's NotImplementedError, an unknown op's ValueError: now, on this rank
+        to_reduce_op(op)
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) > 1 or len({t.device.type for t in tensors}) > 1:
         raise ValueError("hvd.grouped_allreduce: every tensor of a group must have one dtype and "
@@ -149,8 +147,7 @@ def _allreduce_bufs(tensors: list[torch.Tensor], in_place: bool, op: int, name: 
         return _start_allreduce(group, bufs, requests[min(requests)])
 
     def finish(_: Any) -> Any:
-        q = Request("", "allreduce", op=op, postscale=post)
-        outs = [_int_finish(b, q, size) for b in bufs]
+        outs = [_int_finish(b, op, post, size) for b in bufs]
         return outs if grouped else outs[0]
 
     return submit(ps, name, "allreduce", what, fields, start, finish, keep=(tensors, bufs),
