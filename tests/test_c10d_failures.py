@@ -208,5 +208,68 @@ def _timeout_advice(rank: int) -> str:
 def test_timeout_error_gives_torch_distributed_advice() -> None:
     """The fix a torch.distributed user can apply: no TORCHRING_TIMEOUT, no torchring.init()."""
     msg = spawn(2, _timeout_advice, timeout=60)[0]
-    assert "allreduce" in msg and "timed out" in msg, msg
+    assert "allreduce" in msg and " timeout " in msg, msg
     assert "TORCHRING_TIMEOUT" not in msg and "torchring.init()" not in msg, msg
+
+
+def _barrier_alone(rank: int) -> dict:
+    import re
+
+    import torch.distributed as dist
+
+    init_pg(timeout_s=2)
+    out = {"rank": rank}
+    try:
+        if rank == 0:  # the only rank at the barrier, as in torch's own barrier-timeout test
+            start = time.monotonic()
+            try:
+                dist.barrier()
+                out["error"] = "did not raise"
+            except Exception as e:  # noqa: BLE001
+                out["error"] = str(e)
+            out["took"] = time.monotonic() - start
+            out["torch_regex"] = bool(re.search(" (Timed out|closed|timeout) ", out["error"]))
+        else:
+            time.sleep(4)
+    finally:
+        finish()
+    return out
+
+
+def test_a_barrier_alone_times_out_as_torch_expects() -> None:
+    """Rank 0 alone at a barrier raises after the group's timeout (not before), in words torch's suite matches."""
+    r = spawn(3, _barrier_alone, timeout=60)[0]
+    assert r["torch_regex"] and "barrier #0" in r["error"] and "barrier #0 barrier" not in r["error"], r
+    assert 2 - 0.1 <= r["took"] < 2 + SLACK_S, r
+
+
+def _detail_debug(rank: int, world: int) -> list[str]:
+    import torch.distributed as dist
+
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    dist.set_debug_level_from_env()
+    init_pg(timeout_s=PG_TIMEOUT_S)
+    chk = Checker(rank)
+    try:
+        backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+        before = backend._get_sequence_number_for_group()
+        t = rank_input(rank, world, 7, torch.int64)
+        dist.all_reduce(t)
+        chk.equal("all_reduce under DETAIL", t, sum(rank_input(r, world, 7, torch.int64) for r in range(world)))
+        chk.true("the sequence number counts collectives", backend._get_sequence_number_for_group() > before,
+                 f"{before} then {backend._get_sequence_number_for_group()}")
+        sub = dist.new_group(list(range(world)))
+        got = [None] * world
+        dist.all_gather_object(got, {"rank": rank}, group=sub)
+        chk.true("all_gather_object on a new group under DETAIL", got == [{"rank": r} for r in range(world)], str(got))
+        # The debug wrapper's own check names the shape mismatch before the engine sees it.
+        _expect_raise(chk, "DETAIL: all_reduce with rank 1's tensor of another shape",
+                      lambda: dist.all_reduce(torch.ones(3 if rank == 1 else 2)), ["3", "2"])
+    finally:
+        finish()
+    return chk.failures
+
+
+def test_detail_debug_wrapper_runs_on_torchring() -> None:
+    """TORCH_DISTRIBUTED_DEBUG=DETAIL: sequence numbers agree, collectives and subgroups work, mismatches raise."""
+    assert_no_failures(spawn(3, _detail_debug, 3, timeout=120))

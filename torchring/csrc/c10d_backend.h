@@ -2,71 +2,23 @@
 // collectives (and so DDP, FSDP, Lightning) on one engine Communicator per process group.
 //
 // C10dBackend turns each c10d call into engine operations (Communicator::submit, send, recv)
-// and returns a C10dWork. The engine finishes its operations on its own threads; the last
-// one to finish hands the C10dWork to the Completer, a thread of the backend that runs the
-// operation's `post` step (copying results into the caller's output tensors, which may be
-// views: they are written, never rebound) and then completes the c10d Work and its Future
-// with the outputs, or with the error. Futures are completed there and not on an engine
-// thread because a Future's callbacks (DDP communication hooks, fut.then in Python) run on
-// the completing thread and may take the GIL. An operation that is complete when submit returns
-// (run inline for a blocking call) is completed right there, on the caller's thread.
+// and returns a C10dWork (c10d_work.h), completed by the backend's Completer thread once the
+// engine has finished them. An operation that is complete when submit returns (run inline for a
+// blocking call) is completed right there, on the caller's thread.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
-#include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <atomic>
-#include <condition_variable>
-#include <deque>
-#include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
-#include <thread>
+#include <utility>
 #include <vector>
 
+#include "c10d_work.h"
 #include "communicator.h"
 
 namespace torchring {
-
-class C10dWork : public c10d::Work {
- public:
-  // `outputs` is what the Future completes with; `nested` makes it a list of lists (list-form
-  // allgather and gather, as torch's own backends do).
-  C10dWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs, bool nested,
-           std::vector<std::vector<at::Tensor>> nestedOutputs);
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
-  std::vector<at::Tensor> result() override { return outputs_; }
-  // Runs post() (unless an engine operation failed), then completes the Work and its Future.
-  void complete();
-
-  std::vector<std::shared_ptr<CpuWork>> engine;  // the engine operations it waits for
-  std::function<void()> post;                    // after they all succeeded
-  std::vector<at::Tensor> keep;                  // inputs and staging kept alive until then
-  std::atomic<int> pending{0};
-
- private:
-  std::vector<at::Tensor> outputs_;
-  std::vector<std::vector<at::Tensor>> nested_;
-  bool isNested_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
-};
-
-class Completer {
- public:
-  Completer();
-  ~Completer();
-  void push(c10::intrusive_ptr<C10dWork> work);
-  void stop();
-
- private:
-  void loop();
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::deque<c10::intrusive_ptr<C10dWork>> ready_;
-  bool stopping_ = false;
-  std::thread thread_;
-};
 
 class C10dBackend : public c10d::Backend {
  public:
@@ -118,6 +70,11 @@ class C10dBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
   void shutdown() override;
+  // The number of collectives this group has issued: TORCH_DISTRIBUTED_DEBUG=DETAIL's wrapper
+  // compares it across ranks before each collective. It starts at 0 on every rank (the group is
+  // new on all of them), so no store round trip is needed to agree on a start.
+  void setSequenceNumberForGroup() override { collectives_ = 0; }
+  uint64_t getSequenceNumberForGroup() override { return collectives_.load(); }
 
  private:
   // Starts `work` once its engine operations are set: each one's completion counts down, and
@@ -134,6 +91,7 @@ class C10dBackend : public c10d::Backend {
   std::shared_ptr<Communicator> comm_;
   std::shared_ptr<Completer> completer_;
   std::string label_;
+  std::atomic<uint64_t> collectives_{0};
 };
 
 }  // namespace torchring

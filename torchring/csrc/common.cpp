@@ -106,6 +106,11 @@ std::string OpHeader::label() const {
   return std::string(kindName(static_cast<OpKind>(kind))) + " #" + std::to_string(seq);
 }
 
+std::string OpHeader::what() const {
+  if (static_cast<OpKind>(kind) == OpKind::BARRIER) return label();
+  return label() + " " + describe();
+}
+
 bool OpHeader::matches(const OpHeader& o) const {
   if (kind != o.kind || seq != o.seq || onGpu != o.onGpu) return false;
   switch (static_cast<OpKind>(kind)) {

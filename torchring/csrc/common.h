@@ -94,6 +94,9 @@ struct OpHeader {
   std::string describe() const;
   // "allreduce #17": how messages name the operation.
   std::string label() const;
+  // "allreduce #17 float32[10, 100] SUM", "barrier #3": label() and describe() without repeating a
+  // barrier's name.
+  std::string what() const;
   // True when the two headers describe the same collective (per-rank fields ignored).
   bool matches(const OpHeader& other) const;
   // True when both have the same number of dims and equal dims from `fromDim` on.

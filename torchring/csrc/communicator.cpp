@@ -459,7 +459,7 @@ at::Tensor Communicator::run(Op& op) {
   const OpHeader& header = op.header;
   if (shm_) shm_->setCurrent(header);
   if (tcp_) {
-    tcp_->setWhat(header.label() + " " + header.describe());
+    tcp_->setWhat(header.what());
   }
   std::vector<OpHeader> headers = exchangeHeaders(header);
   checkHeaders(headers);

@@ -304,7 +304,7 @@ void TcpRing::exchange(const std::vector<Span>& send, const std::vector<Span>& r
       if (onProgress_) onProgress_();
     } else if (secondsSince(lastProgress) > opt_.timeoutSec) {
       std::ostringstream why;
-      why << "timed out after " << opt_.timeoutSec << " s with no progress "
+      why << "hit the " << opt_.timeoutSec << " s timeout with no progress "
           << (receiving ? "receiving from" : "sending to");
       fail(why.str(), receiving,
            "it is stuck, stopped, or issued different collectives; raise TORCHRING_TIMEOUT if "

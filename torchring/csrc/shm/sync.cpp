@@ -47,7 +47,7 @@ bool processAlive(int pid) {
 
 void ShmGroup::setCurrent(const OpHeader& header) {
   currentSeq_ = header.seq;
-  currentWhat_ = header.label() + " " + header.describe();
+  currentWhat_ = header.what();
   control(opt_.localIndex)->progress.store(header.seq << 1, std::memory_order_relaxed);
 }
 
@@ -124,7 +124,7 @@ void ShmGroup::failWaiting(int index, const char* why) const {
     msg << " failed: rank " << peer->rank << " (pid " << peer->pid
         << ", same host) died; the job cannot continue, restart it (torchrun --max-restarts)";
   } else {
-    msg << " timed out after " << opt_.timeoutSec << " s waiting for rank " << peer->rank
+    msg << " hit the " << opt_.timeoutSec << " s timeout waiting for rank " << peer->rank
         << " (pid " << peer->pid << ", same host), which is " << ((progress & 1) ? "done with" : "in")
         << " operation #" << (progress >> 1)
         << "; a rank is stuck or stopped, or ranks issued different numbers of collectives "
