@@ -8,7 +8,7 @@ namespace torchring {
 // dst[i] = srcs[0][i] op srcs[1][i] op ... op srcs[nsrc-1][i], for i < count, then
 // multiplied by `scale` when scale != 1 (floating dtypes only; AVG uses 1/world).
 // Reads each source once and writes dst (and dst2 when not null) once: the n-way
-// reduction is one pass, not n-1 pairwise passes. dst may alias any source.
+// reduction is one pass, not n-1 pairwise passes. dst and dst2 may alias any source.
 // float16/bfloat16 accumulate in float32 and are rounded once, to nearest even.
 void reduceInto(void* dst, void* dst2, const void* const* srcs, int nsrc, size_t count,
                 DType dtype, ReduceOp op, double scale = 1.0);
