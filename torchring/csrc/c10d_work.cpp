@@ -33,8 +33,8 @@ std::vector<c10::Device> devicesOf(const std::vector<at::Tensor>& outputs,
   return devices;
 }
 
-}  // namespace
-
+// `message` with the advice torchring's own API gives replaced by torch.distributed's (the
+// timeout is init_process_group's, the restart is destroy/init_process_group).
 std::string torchAdvice(std::string message) {
   const std::pair<const char*, const char*> swaps[] = {
       {kRecoveryHint, "the process group failed: call dist.destroy_process_group() and "
@@ -52,8 +52,6 @@ std::string torchAdvice(std::string message) {
   }
   return message;
 }
-
-namespace {
 
 // The same exception class as `error`, its message in torch.distributed's words.
 std::exception_ptr forTorch(std::exception_ptr error) {

@@ -27,10 +27,6 @@
 
 namespace torchring {
 
-// `message` with the advice torchring's own API gives replaced by torch.distributed's (the
-// timeout is init_process_group's, the restart is destroy/init_process_group).
-std::string torchAdvice(std::string message);
-
 class C10dWork : public c10d::Work {
  public:
   // `outputs` is what the Future completes with; `nested` makes it a list of lists (list-form
