@@ -34,7 +34,7 @@ def _launcher() -> list[str]:
 def test_ranks_succeed_with_prefixed_output(tmp_path: Path) -> None:
     code, out, _ = _run(_launcher() + ["-np", "3", str(ROOT / "examples/collectives.py")], tmp_path)
     assert code == 0, out
-    assert "[default0]:world 3 over shm: all checks passed" in out
+    assert "[0]: world 3 over shm: all checks passed" in out
 
 
 def test_check_build_says_what_was_built(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -42,7 +42,7 @@ import torch.distributed.run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from . import _build, build
+from . import _build, _output, _threads, build
 from ._settings import Settings
 
 __all__ = ["main", "torchrun_args", "rank_env", "parse_hosts", "local_slots"]
@@ -235,11 +235,15 @@ def torchrun_args(args: argparse.Namespace) -> list[str]:
     """The torch.distributed.run command line that carries out `args`."""
     out = ["--standalone", f"--nproc-per-node={args.num_proc}", f"--max-restarts={args.max_restarts}",
            f"--monitor-interval={args.monitor_interval}", f"--rdzv-id={uuid.uuid4().hex[:12]}"]
-    if not args.no_prefix:
-        out.append("--tee=3")  # torch prefixes each line with [default<local rank>]:
-    if args.rank0_only:
-        out.append("--local-ranks-filter=0")
-    return out + _command(args.script, list(args.script_args))
+    return out + _command(args.script, list(args.script_args))  # output: _rank_output(args)
+
+
+def _rank_output(args: argparse.Namespace) -> _output.RankOutput | None:
+    """Who shows the ranks' output: None (--no-prefix: the ranks write to this terminal
+    directly), rank 0 alone unprefixed (--rank0-only), or every rank prefixed."""
+    if args.no_prefix and not args.rank0_only:
+        return None
+    return _output.RankOutput(only_rank0=args.rank0_only)
 
 
 def _resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -322,13 +326,16 @@ def main(argv: list[str] | None = None) -> int:
     _resolve(parser, args)
     env = rank_env(args)
     os.environ.update(env)  # torch's agent starts the ranks with this process's environment
+    threads = _threads.set_rank_threads(os.environ, args.num_proc)
+    if threads:
+        print(threads, file=sys.stderr)
     command = torchrun_args(args)
     if args.verbose:
         _be_verbose(env, command)
     _build.load()  # build once here, not in N ranks at once
     launch = torchrun.get_args_parser().parse_args(command)
     try:
-        torchrun.run(launch)
+        _output.launch(launch, _rank_output(args))
     except ChildFailedError as error:
         code = _exit_code(error)
         print(f"torchring-run: the job failed: {_describe_failure(error)}; its "

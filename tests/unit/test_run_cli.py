@@ -27,12 +27,20 @@ def test_torchrun_accepts_the_command_line() -> None:
     parsed = torchrun.get_args_parser().parse_args(run.torchrun_args(_args(max_restarts=2)))
     assert (parsed.nproc_per_node, parsed.max_restarts, parsed.standalone) == ("4", 2, True)
     assert (parsed.training_script, parsed.training_script_args) == ("train.py", ["--epochs", "3"])
-    assert parsed.tee == "3" and not parsed.local_ranks_filter
+    # torchring-run shows the ranks' output itself (torchring._output), not torch's tee
+    assert parsed.tee == "0" and parsed.redirects == "0" and not parsed.local_ranks_filter
 
 
-def test_rank0_only_and_no_prefix() -> None:
-    parsed = torchrun.get_args_parser().parse_args(run.torchrun_args(_args(rank0_only=True, no_prefix=True)))
-    assert parsed.local_ranks_filter == "0" and parsed.tee == "0"  # "0": no prefixes
+@pytest.mark.parametrize("rank0_only,no_prefix,shown", [(False, False, "prefixed"), (True, False, "rank 0"),
+                                                        (True, True, "rank 0"), (False, True, None)])
+def test_rank0_only_and_no_prefix(rank0_only: bool, no_prefix: bool, shown: str | None) -> None:
+    output = run._rank_output(_args(rank0_only=rank0_only, no_prefix=no_prefix))
+    try:
+        got = None if output is None else "rank 0" if output._only_rank0 else "prefixed"
+        assert got == shown
+    finally:
+        if output is not None:
+            output.close()
 
 
 def test_each_job_gets_its_own_rendezvous_id() -> None:
