@@ -12,11 +12,11 @@ output line carries its rank (or only rank 0 prints, with --rank0-only), --check
 what the engine was built with, and the exit code is the first failing rank's. When a rank
 fails or is killed, torch's agent stops all the others; with --max-restarts K the whole job
 restarts (torchring re-initializes under a new restart count) up to K times. Ctrl-C stops
-everything. For several hosts, run torchrun with its c10d rendezvous on each host (README).
+everything. -H host0:2,host1:2 (or --hostfile) starts the ranks of other hosts over ssh.
 
 horovodrun's common flags are accepted, so `horovodrun -np 4 python train.py` becomes
-`torchring-run -np 4 python train.py`: -H/--hosts and --hostfile (this host only, for now;
--np defaults to their slots), the HOROVOD_* settings flags (--fusion-threshold-mb,
+`torchring-run -np 4 python train.py`: -H/--hosts and --hostfile (in rank order, other
+hosts over ssh; -np defaults to their slots), the HOROVOD_* settings flags (--fusion-threshold-mb,
 --cycle-time-ms, --timeline-filename, ..., passed to the ranks as the variables horovodrun
 sets), --start-timeout, --verbose; --gloo/--mpi/--network-interfaces are accepted with a note.
 The command may start with `python` (or `python -m module`), or be any other program.
@@ -42,7 +42,7 @@ import torch.distributed.run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from . import _build, _output, _threads, build
+from . import _build, _ssh_launch, _output, _threads, build
 from ._settings import Settings
 
 __all__ = ["main", "torchrun_args", "rank_env", "parse_hosts", "local_slots"]
@@ -78,9 +78,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--check-build", "-cb", action="store_true", help="build the engine, say what it has, exit")
     p.add_argument("--monitor-interval", type=float, default=0.1, help="seconds between health checks of ranks")
     h = p.add_argument_group("horovodrun's flags")
-    h.add_argument("-H", "--hosts", default=None, help="host:slots,... (this host only for now)")
-    h.add_argument("-hostfile", "--hostfile", default=None,
-                   help="file of 'host slots=N' lines (this host only for now)")
+    h.add_argument("-H", "--hosts", default=None,
+                   help="host:slots,... in rank order; other hosts start over ssh (docs/multihost_launch.md)")
+    h.add_argument("-hostfile", "--hostfile", default=None, help="file of 'host slots=N' lines (as -H)")
+    h.add_argument("-p", "--ssh-port", type=int, default=None, help="the other hosts' sshd port (ssh -p)")
+    h.add_argument("-i", "--ssh-identity-file", default=None, help="the private key ssh logs in with (ssh -i)")
     h.add_argument("--start-timeout", type=_at_least(1e-3), default=None,
                    help="seconds ranks wait for each other at start (sets TORCHRING_TIMEOUT, which "
                         "also bounds any collective that makes no progress; default 300)")
@@ -252,7 +254,10 @@ def _resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     try:
         hosts = (parse_hosts(args.hosts) if args.hosts else []) + \
             (_read_hostfile(args.hostfile) if args.hostfile else [])
-        slots = local_slots(hosts) if hosts else None
+        args.remote_hosts = hosts if any(not _is_this_host(h) for h, _ in hosts) else []
+        slots = (sum(s for _, s in hosts) if args.remote_hosts else local_slots(hosts)) if hosts else None
+        if args.remote_hosts and args.max_restarts:
+            raise ValueError("--max-restarts works on one host: a job across -H hosts is not restarted")
         if args.start_timeout is not None:
             Settings.from_env({"TORCHRING_TIMEOUT": _number(args.start_timeout)})
     except ValueError as error:
@@ -326,6 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     _resolve(parser, args)
     env = rank_env(args)
     os.environ.update(env)  # torch's agent starts the ranks with this process's environment
+    if args.remote_hosts:  # other hosts: one torch agent per host, over ssh
+        _build.load()
+        return _ssh_launch.launch_args(args, _is_this_host, _command(args.script, list(args.script_args)))
     threads = _threads.set_rank_threads(os.environ, args.num_proc)
     if threads:
         print(threads, file=sys.stderr)

@@ -134,7 +134,6 @@ def test_np_defaults_to_the_slots_and_may_use_fewer(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["-H", "localhost:2,elsewhere:2", "train.py"], "names other hosts (elsewhere)"),
     (["-np", "5", "-H", "localhost:4", "train.py"], "-np 5 is more than the 4 slots"),
     (["-np", "2", "python"], "give the script after python"),
     (["-np", "2", "--fusion-threshold-mb", "-1", "train.py"], "expected a number >= 0"),

@@ -1,0 +1,106 @@
+"""torchring-run -H across hosts, its pure parts: which host gets which ranks, which variables
+reach the other hosts, the remote command line (run through a real sh here: quoting), the ssh
+command, the node's command line, and torchring-run's flags for it. No ssh, no ranks."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torchring import _ssh_launch as sl
+from torchring import _ssh_node, run
+
+
+def test_ranks_fill_the_hosts_in_their_order() -> None:
+    hosts = [("b", 2), ("a", 3), ("c", 1)]
+    assert sl.plan_hosts(hosts, 6) == hosts
+    assert sl.plan_hosts(hosts, 4) == [("b", 2), ("a", 2)]  # c gets no rank: not started
+    assert sl.plan_hosts(hosts, 1) == [("b", 1)]
+    with pytest.raises(ValueError, match="-np 7 is more than the 6 slots"):
+        sl.plan_hosts(hosts, 7)
+
+
+def test_the_variables_that_matter_are_forwarded_and_host_specific_ones_are_not() -> None:
+    env = {"TORCHRING_TIMEOUT": "20", "HOROVOD_FUSION_THRESHOLD": "0", "PATH": "/venv/bin:/usr/bin",
+           "PYTHONPATH": "/src", "VIRTUAL_ENV": "/venv", "OMP_NUM_THREADS": "2", "NCCL_DEBUG": "INFO",
+           "LD_LIBRARY_PATH": "/lib", "TORCH_DISTRIBUTED_DEBUG": "DETAIL", "CUDA_VISIBLE_DEVICES": "0",
+           "TORCHRING_ADDR": "10.0.0.1", "TORCHRING_BIND_ADDR": "10.0.0.1", "TORCHRING_HOSTNAME": "me",
+           "TORCHRING_SSH": "ssh -v", "HOME": "/root", "SSH_AUTH_SOCK": "/tmp/x", "HOSTNAME": "me",
+           "MASTER_ADDR": "me", "RANK": "0", "LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "x", "DISPLAY": ":0"}
+    got = sl.forwarded_env(env)
+    assert set(got) == {"TORCHRING_TIMEOUT", "HOROVOD_FUSION_THRESHOLD", "PATH", "PYTHONPATH", "VIRTUAL_ENV",
+                        "OMP_NUM_THREADS", "NCCL_DEBUG", "LD_LIBRARY_PATH", "TORCH_DISTRIBUTED_DEBUG",
+                        "CUDA_VISIBLE_DEVICES"}
+    assert all(got[name] == env[name] for name in got)
+
+
+_ECHO = "import json, os, sys; print(json.dumps([os.getcwd(), sys.argv[1:], dict(os.environ)]))"
+_NASTY = ["with space", "it's", 'say "hi"', "$HOME", "`id`", "back\\slash", "new\nline", "*", "-x", ""]
+
+
+def test_the_remote_command_keeps_words_variables_and_directory_intact(tmp_path: Path) -> None:
+    workdir = tmp_path / "a dir with 'quotes'"
+    workdir.mkdir()
+    env = {"TORCHRING_TEST": "a b $c 'd' \"e\"", "PATH": "/usr/bin:/bin"}
+    line = sl.remote_command([sys.executable, "-c", _ECHO, *_NASTY], env, str(workdir))
+    out = subprocess.run(["sh", "-c", line], capture_output=True, text=True, timeout=60, cwd="/",
+                         env={"PATH": "/usr/bin:/bin"}, check=True).stdout
+    cwd, argv, seen = json.loads(out)
+    assert Path(cwd) == workdir and argv == _NASTY
+    assert seen["TORCHRING_TEST"] == env["TORCHRING_TEST"] and seen["PATH"] == env["PATH"]
+
+
+def test_the_ssh_command_line() -> None:
+    assert sl.ssh_argv("h1", "true") == ["ssh", "-T", "-o", "BatchMode=yes", "h1", "true"]
+    assert sl.ssh_argv("h1", "cmd", port=2222, identity="/k/id") == \
+        ["ssh", "-T", "-o", "BatchMode=yes", "-p", "2222", "-i", "/k/id", "h1", "cmd"]
+    custom = sl.ssh_argv("h1", "cmd", ssh="'/opt/my ssh/ssh' -o 'ProxyJump=a b' -v", port=22)
+    assert custom == ["/opt/my ssh/ssh", "-o", "ProxyJump=a b", "-v", "-p", "22", "h1", "cmd"]
+
+
+def test_the_store_lives_on_the_first_host_under_a_name_the_others_can_reach() -> None:
+    assert sl.master_address("node7", is_this_host=False) == "node7"
+    assert sl.master_address("localhost", is_this_host=True) == socket.gethostname()
+    assert sl.master_address("127.0.0.1", is_this_host=True) == socket.gethostname()
+    assert sl.master_address(socket.gethostname(), is_this_host=True) == socket.gethostname()
+
+
+def test_the_node_reads_back_what_the_launcher_wrote() -> None:
+    argv = sl.node_argv(host="h 1", node_rank=1, nnodes=3, nproc=2, master="h0", port=29511, job="j1",
+                        monitor_interval=0.25, prefix=False, rank0_only=True,
+                        command=["train.py", "--epochs", "3", "--", "-x y"])
+    assert argv[:4] == [sys.executable, "-u", "-m", "torchring._ssh_node"]
+    args = _ssh_node._parser().parse_args(argv[4:])
+    assert (args.host, args.node_rank, args.nnodes, args.nproc, args.master, args.port, args.job) == \
+        ("h 1", 1, 3, 2, "h0", 29511, "j1")
+    assert (args.monitor_interval, args.no_prefix, args.rank0_only) == (0.25, True, True)
+    assert args.command == ["--", "train.py", "--epochs", "3", "--", "-x y"]
+
+
+def _parsed(argv: list[str]) -> object:
+    parser = run._parser()
+    args = parser.parse_args(argv)
+    run._resolve(parser, args)
+    return args
+
+
+def test_another_host_in_hosts_makes_a_multi_host_job(tmp_path: Path) -> None:
+    args = _parsed(["-H", "zz-elsewhere:2,localhost:3", "-p", "2222", "-i", "/k", "train.py", "a b"])
+    assert args.remote_hosts == [("zz-elsewhere", 2), ("localhost", 3)] and args.num_proc == 5
+    assert (args.ssh_port, args.ssh_identity_file, args.script_args) == (2222, "/k", ["a b"])
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("n1 slots=2\nn2 slots=2\n")
+    args = _parsed(["-np", "3", "--hostfile", str(hostfile), "python", "train.py"])
+    assert args.remote_hosts == [("n1", 2), ("n2", 2)] and args.num_proc == 3
+    assert _parsed(["-H", "localhost:2,127.0.0.1:1", "train.py"]).remote_hosts == []
+
+
+def test_restarts_across_hosts_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _parsed(["-H", "n1:1,n2:1", "--max-restarts", "2", "train.py"])
+    assert "--max-restarts works on one host" in capsys.readouterr().err

@@ -1,0 +1,248 @@
+"""torchring-run across hosts: one torch elastic agent per -H host, over ssh.
+
+    torchring-run -H node0:2,node1:2 python train.py --epochs 3
+
+The launcher starts a *node* process on every host: directly on this host, through
+`ssh [-p PORT] [-i KEY] HOST 'cd CWD && exec env VAR=... PYTHON -u -m torchring._ssh_node ...'`
+on the others (TORCHRING_SSH replaces `ssh`, e.g. TORCHRING_SSH='ssh -o StrictHostKeyChecking=no').
+Each node runs torch's elastic agent (torch.distributed.run) with the static rendezvous: node i
+has --node-rank=i and the store lives on the first host, so host i's ranks come before host
+i+1's in the -H/hostfile order (torch's c10d rendezvous would order hosts by its own sort).
+
+The variables that matter are forwarded on the remote command line (sshd passes only LANG/LC_*
+through SendEnv): see FORWARD_NAMES and FORWARD_PREFIXES. The remote side runs this launcher's
+interpreter (sys.executable) in this launcher's working directory.
+
+Cleanup: a node watches its stdin, the launcher's pipe (through ssh for a remote node). When it
+closes (the launcher stopped the job, exited, or was killed, or the ssh connection dropped), the
+node gives itself SIGTERM and torch's agent stops its ranks. When a node fails, the launcher
+closes every other node's stdin; the launcher's exit code is the first failing node's, which is
+its first failing rank's exit status (run._exit_code), not the 1 of torchrun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import IO, Callable, Mapping, Sequence
+
+__all__ = ["FORWARD_NAMES", "FORWARD_PREFIXES", "NOT_FORWARDED", "plan_hosts", "forwarded_env",
+           "master_address", "node_argv", "remote_command", "ssh_argv", "launch", "launch_args"]
+
+FORWARD_NAMES = ("PATH", "PYTHONPATH", "VIRTUAL_ENV", "CONDA_PREFIX", "LD_LIBRARY_PATH",
+                 "LD_PRELOAD", "CUDA_VISIBLE_DEVICES", "CUDA_HOME", "TMPDIR", "LANG", "LC_ALL")
+FORWARD_PREFIXES = ("TORCHRING_", "HOROVOD_", "PYTHON", "TORCH_", "NCCL_", "GLOO_", "OMP_",
+                    "MKL_", "KMP_", "OPENBLAS_", "HF_")
+NOT_FORWARDED = frozenset({"TORCHRING_ADDR", "TORCHRING_BIND_ADDR", "TORCHRING_HOSTNAME",
+                           "TORCHRING_SSH"})  # one host's own, or the launcher's
+STOP_GRACE_S = 30.0  # after a node's stdin closes: then SIGTERM, and SIGKILL 10 s later
+
+
+def plan_hosts(hosts: Sequence[tuple[str, int]], num_proc: int) -> list[tuple[str, int]]:
+    """[(host, ranks)] filling `hosts`' slots in order until `num_proc` ranks (hosts left empty dropped)."""
+    out, left = [], num_proc
+    for host, slots in hosts:
+        if left <= 0:
+            break
+        out.append((host, min(slots, left)))
+        left -= slots
+    if left > 0:
+        raise ValueError(f"-np {num_proc} is more than the {num_proc - left} slots of -H/--hostfile")
+    return out
+
+
+def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables of `environ` a remote node gets (FORWARD_NAMES, FORWARD_PREFIXES, less NOT_FORWARDED)."""
+    return {name: value for name, value in sorted(environ.items())
+            if (name in FORWARD_NAMES or name.startswith(FORWARD_PREFIXES)) and name not in NOT_FORWARDED}
+
+
+def master_address(first_host: str, is_this_host: bool) -> str:
+    """The address the other hosts reach the first host's store at (its name; this host's if local)."""
+    if not is_this_host:
+        return first_host
+    loopback = first_host.lower() == "localhost" or first_host.startswith("127.") or first_host == "::1"
+    return socket.gethostname() if loopback else first_host
+
+
+def free_port(local: bool) -> int:
+    """A port for the store: a free one of this host's, else a random high one."""
+    if not local:
+        return random.randrange(20000, 40000)
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def node_argv(*, host: str, node_rank: int, nnodes: int, nproc: int, master: str, port: int,
+              job: str, monitor_interval: float, prefix: bool, rank0_only: bool,
+              command: Sequence[str]) -> list[str]:
+    """The command line of node `node_rank` (this interpreter, this module) running `command`."""
+    out = [sys.executable, "-u", "-m", "torchring._ssh_node", f"--host={host}",
+           f"--node-rank={node_rank}", f"--nnodes={nnodes}", f"--nproc={nproc}",
+           f"--master={master}", f"--port={port}", f"--job={job}",
+           f"--monitor-interval={monitor_interval}"]
+    out += ["--no-prefix"] if not prefix else []
+    out += ["--rank0-only"] if rank0_only else []
+    return out + ["--", *command]
+
+
+def remote_command(argv: Sequence[str], env: Mapping[str, str], cwd: str) -> str:
+    """One sh command line: cd to `cwd`, then `argv` with `env` set, every word quoted."""
+    assigns = [shlex.quote(f"{name}={value}") for name, value in env.items()]
+    return (f"cd {shlex.quote(cwd)} && exec env " + " ".join(assigns) + " "
+            + " ".join(shlex.quote(word) for word in argv))
+
+
+def ssh_argv(host: str, command: str, *, port: int | None = None, identity: str | None = None,
+             ssh: str | None = None) -> list[str]:
+    """The ssh client command running `command` on `host` (TORCHRING_SSH's words replace `ssh`)."""
+    base = shlex.split(ssh) if ssh else ["ssh", "-T", "-o", "BatchMode=yes"]
+    base += ["-p", str(port)] if port is not None else []
+    base += ["-i", identity] if identity else []
+    return base + [host, command]
+
+
+@dataclass
+class _Node:
+    host: str
+    proc: subprocess.Popen
+    threads: list[threading.Thread] = field(default_factory=list)
+    stopped_at: float | None = None
+
+
+_write_lock = threading.Lock()
+
+
+def _pump(source: IO[bytes], sink: IO[bytes]) -> None:
+    """Copies `source` to `sink` in whole lines (ended by \\n or \\r), so hosts never split a line."""
+    pending = b""
+    while chunk := source.read1(65536):  # type: ignore[attr-defined]
+        pending += chunk
+        cut = max(pending.rfind(b"\n"), pending.rfind(b"\r")) + 1
+        if cut:
+            with _write_lock:
+                sink.write(pending[:cut])
+                sink.flush()
+            pending = pending[cut:]
+    if pending:
+        with _write_lock:
+            sink.write(pending)
+            sink.flush()
+
+
+def _start(host: str, argv: list[str]) -> _Node:
+    """Starts one node's command with its stdin a pipe (the node's lifeline) and its output pumped."""
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    node = _Node(host, proc)
+    for source, sink in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
+        thread = threading.Thread(target=_pump, args=(source, sink), daemon=True)
+        thread.start()
+        node.threads.append(thread)
+    return node
+
+
+def _stop(nodes: list[_Node]) -> None:
+    """Closes the lifeline of every running node; SIGTERM/SIGKILL those that outlive the grace."""
+    now = time.monotonic()
+    for node in nodes:
+        if node.stopped_at is None and node.proc.poll() is None:
+            node.stopped_at = now
+            try:
+                node.proc.stdin.close()  # type: ignore[union-attr]
+            except OSError:
+                pass
+        elif node.stopped_at is not None and node.proc.poll() is None:
+            waited = now - node.stopped_at
+            if waited > STOP_GRACE_S:
+                node.proc.send_signal(signal.SIGKILL if waited > STOP_GRACE_S + 10 else signal.SIGTERM)
+
+
+def _ssh_hint(host: str, code: int) -> str:
+    return (f"torchring-run: ssh to {host} failed (exit code {code}, its message is above): check that "
+            f"`ssh {host} true` works without a password prompt (keys; --ssh-port, --ssh-identity-file or "
+            "TORCHRING_SSH for the options)")
+
+
+def launch(hosts: Sequence[tuple[str, int]], is_this_host: Callable[[str], bool], command: Sequence[str],
+           *, monitor_interval: float = 0.1, prefix: bool = True, rank0_only: bool = False,
+           ssh_port: int | None = None, ssh_identity: str | None = None, verbose: bool = False) -> int:
+    """Runs `command` (torchrun's script tail) on `hosts` [(host, ranks)]; the first failure's exit code."""
+    local = [is_this_host(h) for h, _ in hosts]
+    master, port = master_address(hosts[0][0], local[0]), free_port(local[0])
+    job, env, cwd = f"{os.getpid():x}{random.getrandbits(32):08x}", forwarded_env(os.environ), os.getcwd()
+    ssh = os.environ.get("TORCHRING_SSH") or None
+    nodes: list[_Node] = []
+    stop_signal: list[int] = []
+    previous = {s: signal.signal(s, lambda sig, _f: stop_signal.append(sig))
+                for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        for rank, ((host, nproc), here) in enumerate(zip(hosts, local)):
+            argv = node_argv(host=host, node_rank=rank, nnodes=len(hosts), nproc=nproc, master=master,
+                             port=port, job=job, monitor_interval=monitor_interval, prefix=prefix,
+                             rank0_only=rank0_only, command=command)
+            if not here:
+                argv = ssh_argv(host, remote_command(argv, env, cwd), port=ssh_port, identity=ssh_identity,
+                                ssh=ssh)
+            if verbose:
+                print(f"torchring-run: {host}: {shlex.join(argv)}", file=sys.stderr)
+            nodes.append(_start(host, argv))
+        return _supervise(nodes, local, stop_signal)
+    finally:
+        _stop(nodes)  # leave nothing behind, whatever happened above (normally all have exited)
+        for node in nodes:
+            try:
+                node.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                node.proc.kill()
+                node.proc.wait()
+        for node in nodes:
+            for thread in node.threads:
+                thread.join(timeout=5)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _supervise(nodes: list[_Node], local: list[bool], stop_signal: list[int]) -> int:
+    """Waits for every node; on the first failure or a signal, stops the others. The exit code."""
+    first: tuple[str, int] | None = None
+    while True:
+        running = False
+        for node, here in zip(nodes, local):
+            code = node.proc.poll()
+            running |= code is None
+            if code not in (None, 0) and first is None and node.stopped_at is None and not stop_signal:
+                first = (node.host, code)
+                if code == 255 and not here:
+                    print(_ssh_hint(node.host, code), file=sys.stderr)
+        if first is not None or stop_signal:
+            _stop(nodes)
+        if not running:
+            break
+        time.sleep(0.05)
+    if stop_signal:
+        print(f"torchring-run: stopped by signal {stop_signal[0]}; every host's ranks were stopped",
+              file=sys.stderr)
+        return 128 + stop_signal[0]
+    if first is not None:
+        print(f"torchring-run: the job failed: {first[0]}'s ranks failed first (exit code {first[1]}); "
+              "every host's ranks were stopped; the output is above", file=sys.stderr)
+        return first[1]
+    return 0
+
+
+def launch_args(args: argparse.Namespace, is_this_host: Callable[[str], bool], command: Sequence[str]) -> int:
+    """launch() for torchring-run's parsed `args` (args.remote_hosts: its -H/--hostfile hosts)."""
+    return launch(plan_hosts(args.remote_hosts, args.num_proc), is_this_host, command,
+                  monitor_interval=args.monitor_interval, prefix=not args.no_prefix, rank0_only=args.rank0_only,
+                  ssh_port=args.ssh_port, ssh_identity=args.ssh_identity_file, verbose=args.verbose)
