@@ -1,0 +1,44 @@
+"""A rank of a job started by a launcher other than torchrun (mpirun, srun): it reports where
+torchring says it sits (rank, size, which launcher's variables it read), the CPUs it may run
+on and its hostname, and allreduces integer tensors, checking the sums exactly.
+
+    mpirun -np 3 python tests/_mpi_job.py OUT_DIR
+
+Each rank writes OUT_DIR/rank<r>.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+
+import torch
+
+import torchring
+from torchring import _env
+
+
+def main(out_dir: str) -> None:
+    """Runs the checks and writes this rank's report."""
+    launch = _env.detect()
+    torchring.init()
+    rank, world = torchring.rank(), torchring.size()
+    wrong = []
+    for n in (1, 1000, 1 << 18):
+        for dtype in (torch.int64, torch.float32):
+            x = torch.arange(n, dtype=dtype) * (rank + 1)
+            torchring.allreduce(x)
+            want = torch.arange(n, dtype=dtype) * (world * (world + 1) // 2)
+            if not torch.equal(x, want):
+                wrong.append(f"allreduce of {n} {dtype}")
+    report = {"rank": rank, "world": world, "source": launch.source, "env_rank": launch.rank,
+              "env_world": launch.world_size, "local_rank": launch.local_rank,
+              "cpus": sorted(os.sched_getaffinity(0)), "host": socket.gethostname(), "wrong": wrong}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
