@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -165,3 +166,139 @@ def test_the_launcher_stopped_or_killed_leaves_no_rank_running(tmp_path: Path, h
             proc.kill()
             proc.wait()
         _kill_left(tmp_path)
+
+
+# ---- over OpenSSH's sshd between simulated hosts -------------------------------------------
+
+_SSHD_CONFIG = """Port {port}
+ListenAddress {addr}
+HostKey {dir}/host_key
+PidFile {dir}/sshd-{name}.pid
+AuthorizedKeysFile {dir}/authorized_keys
+StrictModes no
+UsePAM no
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+PermitRootLogin prohibit-password
+X11Forwarding no
+PrintMotd no
+LogLevel ERROR
+"""
+_SSHD_PORT = 2222  # not 22; each test host has its own network namespace, so no clash
+
+
+def _keys(folder: Path) -> None:
+    """A host key and a client key whose public half is the authorized key, in `folder`."""
+    folder.mkdir(mode=0o700)
+    for name in ("host_key", "client_key"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"torchring-test-{name}",
+                        "-f", str(folder / name)], check=True, timeout=30)
+    (folder / "authorized_keys").write_text((folder / "client_key.pub").read_text())
+
+
+def _start_sshd(host: object, folder: Path) -> subprocess.Popen:
+    """sshd in `host` on its own address and _SSHD_PORT; /run/sshd on a tmpfs private to the host."""
+    config = folder / f"sshd-{host.name}.conf"
+    config.write_text(_SSHD_CONFIG.format(port=_SSHD_PORT, addr=host.addr, dir=folder, name=host.name))
+    script = ("mount -t tmpfs -o mode=755 tmpfs /run && mkdir -m 755 /run/sshd && "
+              f"exec /usr/sbin/sshd -D -e -f '{config}'")
+    proc = host.popen(["sh", "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    pidfile = folder / f"sshd-{host.name}.pid"
+    deadline = time.monotonic() + 20
+    while not pidfile.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"sshd did not start in {host.name}: {proc.stderr.read()}")
+        time.sleep(0.1)
+    return proc
+
+
+def _ssh_env(folder: Path) -> dict[str, str]:
+    """The launcher's environment: a client that trusts the test host keys and reads no ~/.ssh."""
+    ssh = ("ssh -F /dev/null -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o BatchMode=yes "
+           "-o IdentitiesOnly=yes -o LogLevel=ERROR")
+    return dict(os.environ, TORCHRING_SSH=ssh, TORCHRING_TIMEOUT="30", TORCHRING_TEST_VAR="it's a $var")
+
+
+def _job_processes(host: object) -> list[int]:
+    """Machine-side pids of `host`'s processes that belong to a job (a node or a rank)."""
+    out = []
+    for pid in host.pids():
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if (b"job.py" in cmdline or b"_ssh_node" in cmdline) and _alive(pid):
+            out.append(pid)
+    return out
+
+
+@pytest.fixture
+def ssh_hosts(tmp_path: Path):
+    """Two simulated hosts sharing tmp_path; sshd in trh1 (the launcher runs in trh0)."""
+    if not Path("/usr/sbin/sshd").exists() or not shutil.which("ssh-keygen"):
+        pytest.skip("OpenSSH's server is not installed (Debian: apt-get install openssh-server)")
+    from _hosts import hosts
+    keys = tmp_path / "keys"
+    _keys(keys)
+    _job(tmp_path)
+    with hosts(2, shared=str(tmp_path)) as hs:
+        sshd = _start_sshd(hs[1], keys)
+        try:
+            yield hs, keys
+        finally:
+            for h in hs:
+                h.signal_all(signal.SIGKILL) if h.index else None
+            sshd.kill()
+            sshd.wait(timeout=10)
+
+
+def _launch_on(host: object, keys: Path, tmp_path: Path, job_args: list[str], **kw: object) -> subprocess.Popen:
+    argv = _launcher() + ["-H", "trh1:2,trh0:1", "--ssh-port", str(_SSHD_PORT), "--ssh-identity-file",
+                          str(keys / "client_key"), "python", "job.py", *job_args]
+    return host.popen(argv, env=_ssh_env(keys), cwd=str(tmp_path), stdout=subprocess.PIPE,
+                      stderr=subprocess.PIPE, text=True, **kw)
+
+
+def test_sshd_ranks_follow_the_hosts_order_with_environment_directory_and_arguments(ssh_hosts, tmp_path):
+    hs, keys = ssh_hosts
+    proc = _launch_on(hs[0], keys, tmp_path, ["ok", str(tmp_path), "with space", "it's"])
+    stdout, stderr = proc.communicate(timeout=150)
+    assert proc.returncode == 0, stdout + stderr
+    seen = _seen(stdout)
+    assert sorted(seen) == [0, 1, 2], stdout + stderr
+    # trh1 is first in -H though its name sorts after trh0: it has ranks 0 and 1
+    assert [(seen[r][0], seen[r][1]["host"]) for r in range(3)] == \
+        [("[trh1:0]: ", "trh1"), ("[trh1:1]: ", "trh1"), ("[trh0:2]: ", "trh0")]
+    for _, record in seen.values():
+        assert (record["size"], record["sum"]) == (3, 1 + 2 + 3), record
+        assert (Path(record["cwd"]), record["var"], record["args"], record["python"]) == \
+            (tmp_path, "it's a $var", ["with space", "it's"], sys.executable), record
+
+
+def test_sshd_a_remote_failure_gives_its_exit_code_and_stops_every_host(ssh_hosts, tmp_path):
+    hs, keys = ssh_hosts
+    proc = _launch_on(hs[0], keys, tmp_path, ["fail 1 9", str(tmp_path)])
+    stdout, stderr = proc.communicate(timeout=150)
+    assert proc.returncode == 9, stdout + stderr
+    assert "trh1: rank 1 failed first (exit code 9)" in stderr, stderr
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (_job_processes(hs[0]) or _job_processes(hs[1])):
+        time.sleep(0.2)
+    assert not _job_processes(hs[0]) and not _job_processes(hs[1]), stdout + stderr
+
+
+def test_sshd_the_launcher_host_dying_leaves_nothing_running_on_the_others(ssh_hosts, tmp_path):
+    hs, keys = ssh_hosts
+    proc = _launch_on(hs[0], keys, tmp_path, ["wait", str(tmp_path)])
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(list(tmp_path.glob("pid*"))) < 3:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    assert len(_job_processes(hs[1])) >= 3, "trh1 should run its node and its two ranks"
+    hs[0].signal_all(signal.SIGKILL)  # the launcher, its ssh client, trh0's node and rank: all at once
+    proc.communicate(timeout=30)
+    deadline = time.monotonic() + 40
+    while time.monotonic() < deadline and _job_processes(hs[1]):
+        time.sleep(0.2)
+    assert not _job_processes(hs[1]), "trh1's ranks outlived the launcher's host"
