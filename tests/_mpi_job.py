@@ -4,7 +4,7 @@ on and its hostname, and allreduces integer tensors, checking the sums exactly.
 
     mpirun -np 3 python tests/_mpi_job.py OUT_DIR
 
-Each rank writes OUT_DIR/rank<r>.json.
+Each rank writes OUT_DIR/rank<r>.json; the test reads them with `read_reports`.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import json
 import os
 import socket
 import sys
+from pathlib import Path
 
 import torch
 
@@ -38,6 +39,17 @@ def main(out_dir: str) -> None:
               "cpus": sorted(os.sched_getaffinity(0)), "host": socket.gethostname(), "wrong": wrong}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
+
+
+def read_reports(out: Path, world: int, source: str, log: str) -> list[dict]:
+    """Every rank's report, checked: each rank once, sizes and sums right, `source`'s variables read."""
+    reports = sorted((json.loads(p.read_text()) for p in out.glob("rank*.json")), key=lambda r: r["rank"])
+    assert [r["rank"] for r in reports] == list(range(world)), f"ranks that reported: {reports}\n{log}"
+    for r in reports:
+        assert (r["world"], r["env_world"], r["env_rank"]) == (world, world, r["rank"]), r
+        assert r["source"] == source, f"rank {r['rank']} read its place from {r['source']}, not {source}"
+        assert not r["wrong"], f"rank {r['rank']}: wrong results: {r['wrong']}"
+    return reports
 
 
 if __name__ == "__main__":

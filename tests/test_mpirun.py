@@ -6,7 +6,6 @@ allreduce sums exactly (tests/_mpi_job.py). Skipped where no mpirun is installed
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socket
@@ -15,6 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from _mpi_job import read_reports
 
 _HERE = Path(__file__).resolve().parent
 _ROOT = _HERE.parent
@@ -41,18 +42,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def read_reports(out: Path, world: int, log: str) -> list[dict]:
-    """Every rank's report, checked: each rank once, the sizes and sums right, Open MPI's variables used."""
-    reports = sorted((json.loads(p.read_text()) for p in out.glob("rank*.json")), key=lambda r: r["rank"])
-    assert [r["rank"] for r in reports] == list(range(world)), f"ranks that reported: {reports}\n{log}"
-    for r in reports:
-        assert (r["world"], r["env_world"], r["env_rank"]) == (world, world, r["rank"]), r
-        assert r["source"] == "openmpi", f"rank {r['rank']} read its place from {r['source']}, not Open MPI"
-        assert not r["wrong"], f"rank {r['rank']}: wrong results: {r['wrong']}"
-    assert sorted(r["local_rank"] for r in reports) == list(range(world)), reports
-    return reports
 
 
 def _cores() -> int:
@@ -82,7 +71,8 @@ def test_mpirun_on_one_host(tmp_path: Path, world: int, bind: str) -> None:
     proc = subprocess.run(argv, env=mpi_env(), cwd=tmp_path, capture_output=True, text=True, timeout=180)
     log = f"{' '.join(argv)}\n{proc.stdout}{proc.stderr}"
     assert proc.returncode == 0, log
-    reports = read_reports(tmp_path, world, log)
+    reports = read_reports(tmp_path, world, "openmpi", log)
+    assert sorted(r["local_rank"] for r in reports) == list(range(world)), reports
     for r in reports:
         if bind == "core" and _cores() > 1:  # one core each (all its hardware threads)
             assert 1 <= len(r["cpus"]) < cpus, f"rank {r['rank']} is not bound to a core: CPUs {r['cpus']}"
