@@ -142,7 +142,21 @@ def test_a_remote_rank_failing_stops_every_host_with_its_exit_code(tmp_path: Pat
     assert took < 100, out
 
 
-@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM])
+def test_an_ssh_failure_is_named_and_stops_this_hosts_ranks(tmp_path: Path) -> None:
+    _job(tmp_path)
+    broken = tmp_path / "broken ssh"
+    broken.write_text("#!/bin/sh\necho 'ssh: connect to host fakehost port 22: Connection refused' >&2\nexit 255\n")
+    broken.chmod(0o755)
+    env = dict(_fake_env(tmp_path), TORCHRING_SSH=f"'{broken}'")
+    proc = subprocess.run(_launcher() + ["-H", "localhost:1,fakehost:1", "job.py", "ok", str(tmp_path)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 255, proc.stdout + proc.stderr
+    assert "Connection refused" in proc.stderr and "ssh to fakehost failed (exit code 255" in proc.stderr
+    assert "`ssh fakehost true` works" in proc.stderr, proc.stderr
+    assert not list(tmp_path.glob("pid*")), "a rank started though the job could not"
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
 def test_the_launcher_stopped_or_killed_leaves_no_rank_running(tmp_path: Path, how: int) -> None:
     _job(tmp_path)
     proc = subprocess.Popen(_launcher() + ["-H", "localhost:1,fakehost:2", "job.py", "wait", str(tmp_path)],

@@ -10,13 +10,14 @@ import os
 import signal
 import sys
 import threading
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch.distributed.run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from . import _build, _output, _threads, run
+from ._settings import Settings
 
 __all__ = ["node_main"]
 
@@ -58,6 +59,12 @@ def _watch_lifeline() -> None:
     threading.Thread(target=watch, daemon=True, name="torchring-lifeline").start()
 
 
+def _start_timeout(env: Mapping[str, str]) -> int:
+    """Seconds the hosts' agents wait for each other: TORCHRING_TIMEOUT (--start-timeout), at
+    least 120 (hosts start torch at different speeds), instead of the static rendezvous's 600."""
+    return max(120, int(Settings.from_env(env).timeout))
+
+
 def node_main(argv: Sequence[str] | None = None) -> int:
     """One host's part: torch's agent with the static rendezvous; the first failing rank's exit code."""
     args = _parser().parse_args(argv)
@@ -65,7 +72,8 @@ def node_main(argv: Sequence[str] | None = None) -> int:
     command = list(args.command[1:] if args.command[:1] == ["--"] else args.command)
     launch_args = [f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}", f"--nproc-per-node={args.nproc}",
                    "--rdzv-backend=static", f"--master-addr={args.master}", f"--master-port={args.port}",
-                   f"--rdzv-id={args.job}", "--max-restarts=0", f"--monitor-interval={args.monitor_interval}"]
+                   f"--rdzv-id={args.job}", "--max-restarts=0", f"--monitor-interval={args.monitor_interval}",
+                   f"--rdzv-conf=timeout={_start_timeout(os.environ)}"]
     output = None if args.no_prefix and not args.rank0_only else \
         _output.RankOutput(label=lambda env: f"[{args.host}:{env.get('RANK', '?')}]: ", only_rank0=args.rank0_only)
     threads = _threads.set_rank_threads(os.environ, args.nproc)

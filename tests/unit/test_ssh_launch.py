@@ -104,3 +104,9 @@ def test_restarts_across_hosts_are_refused(capsys: pytest.CaptureFixture[str]) -
     with pytest.raises(SystemExit):
         _parsed(["-H", "n1:1,n2:1", "--max-restarts", "2", "train.py"])
     assert "--max-restarts works on one host" in capsys.readouterr().err
+
+
+def test_the_hosts_wait_for_each_other_as_long_as_the_start_timeout_says() -> None:
+    assert _ssh_node._start_timeout({}) == 300  # TORCHRING_TIMEOUT's default, not torch's 600
+    assert _ssh_node._start_timeout({"TORCHRING_TIMEOUT": "900"}) == 900
+    assert _ssh_node._start_timeout({"TORCHRING_TIMEOUT": "10"}) == 120  # hosts start torch at their pace
