@@ -144,8 +144,3 @@ def test_any_program_runs_in_each_rank(tmp_path: Path) -> None:
                         tmp_path)
     assert code == 0, out
     assert sorted(line for line in out.splitlines() if line.startswith("rank ")) == ["rank 0 of 2", "rank 1 of 2"]
-
-
-def test_another_host_is_refused_before_anything_starts(tmp_path: Path) -> None:
-    code, out, _ = _run(_launcher() + ["-H", "localhost:1,node-b:1", "python", "train.py"], tmp_path)
-    assert code == 2 and "multi-host -H/--hostfile (over ssh) is not supported yet" in out, out
