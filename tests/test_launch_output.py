@@ -98,3 +98,19 @@ def test_no_prefix_and_a_users_threads(tmp_path: Path) -> None:
     assert b"hello from 0 threads=3\n" in out and b"hello from 1 threads=3\n" in out, out
     assert b"\rbar 1/3\rbar 2/3" in out and b"[0]:" not in out, out
     assert b"OMP_NUM_THREADS" not in out.replace(b"threads=3", b""), out  # kept, said nothing
+
+
+def test_a_reader_that_goes_away_does_not_stall_the_ranks(tmp_path: Path) -> None:
+    # `torchring-run ... | head -1`: the ranks must still run to the end, not block on output
+    script = tmp_path / "many.py"
+    script.write_text("for i in range(100000):\n    print('line', i)\n")
+    proc = subprocess.Popen([sys.executable, "-m", "torchring.run", "-np", "2", str(script)], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert proc.stdout is not None
+    first = proc.stdout.readline()
+    proc.stdout.close()
+    try:
+        code = proc.wait(timeout=90)
+    finally:
+        proc.kill()
+    assert first.startswith((b"[0]: line ", b"[1]: line ")) and code == 0, (first, code)

@@ -75,6 +75,23 @@ class _Console:
     def __init__(self, out: BinaryIO) -> None:
         self.out = out
         self.owner: _Stream | None = None  # the stream whose text ends the current line
+        self.broken = False  # the reader went away (e.g. `| head`): output is dropped
+
+    def write(self, data: bytes) -> None:
+        """Writes `data`, or drops it once the destination is gone (the ranks must not block)."""
+        if not self.broken:
+            try:
+                self.out.write(data)
+            except (OSError, ValueError):
+                self.broken = True
+
+    def flush(self) -> None:
+        """Flushes, as write() does, without raising."""
+        if not self.broken:
+            try:
+                self.out.flush()
+            except (OSError, ValueError):
+                self.broken = True
 
 
 class _Stream:
@@ -103,10 +120,10 @@ class _Stream:
         self.cut = False
         console = self.console
         if data and console.owner is not None and console.owner is not self:
-            console.out.write(b"\n")  # another stream left a line unfinished: keep it
+            console.write(b"\n")  # another stream left a line unfinished: keep it
             console.owner.at_start = console.owner.cut = True
         text, self.at_start = prefix_chunk(data, self.prefix, self.at_start)
-        console.out.write(text)
+        console.write(text)
         if data:
             console.owner = None if data.endswith((b"\n", b"\r")) else self
         return True
@@ -165,9 +182,14 @@ class RankOutput(DefaultLogsSpecs):
             for stream in streams:
                 while stream.pump():
                     moved = True
-            if moved:
+            if last:
                 for console in self._consoles:
-                    console.out.flush()
+                    if console.owner is not None:
+                        console.write(b"\n")  # end the last unfinished line before the shell's prompt
+                        console.owner = None
+            if moved or last:
+                for console in self._consoles:
+                    console.flush()
             if last:
                 return
             self._stop.wait(_POLL_S)
