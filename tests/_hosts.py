@@ -133,6 +133,8 @@ def hosts_file(names: list[str], addrs: list[str]) -> str:
     """/etc/hosts text: localhost, then one line per test host."""
     lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback"]
     lines += [f"{a}\t{n}" for n, a in zip(names, addrs)]
+    # Dual-stack servers (torch's TCPStore) see peers as ::ffff:a.b.c.d and look those up.
+    lines += [f"::ffff:{a}\t{n}" for n, a in zip(names, addrs)]
     return "\n".join(lines) + "\n"
 
 
@@ -288,10 +290,11 @@ def hosts(n: int, rate: str | None = None, shared: str | None = None) -> Iterato
             open(os.path.join(hdir, "resolv.conf"), "w").close()
             anchor = subprocess.Popen(
                 ["ip", "netns", "exec", f"{tag}-h{i}", "unshare", "--uts", "--ipc", "--pid",
-                 "--mount", "--fork", "--mount-proc", "--propagation", "private",
+                 "--mount", "--fork", "--kill-child=SIGKILL", "--mount-proc",
+                 "--propagation", "private",
                  "sh", "-c", _ANCHOR, "anchor", names[i], hdir, shared],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                text=True, start_new_session=True)
+                text=True, start_new_session=True, preexec_fn=_die_with_parent)
             anchors.append(anchor)
             line = anchor.stdout.readline()
             if line.strip() != "ready":
@@ -317,6 +320,14 @@ def hosts(n: int, rate: str | None = None, shared: str | None = None) -> Iterato
             _delete_netns(ns)
         _unmount_under(state)
         shutil.rmtree(state, ignore_errors=True)  # a caller's ``shared`` lies elsewhere: kept
+
+
+def _die_with_parent() -> None:
+    """In the anchor's unshare: SIGKILL when the test process dies (unshare then kills its child,
+    the host's init, so a killed test run leaves no process behind, only namespaces)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 def _child_of(ppid: int, timeout: float = 10.0) -> int:

@@ -32,11 +32,14 @@ _JOB_TIMEOUT = 150.0  # one layout's launch + job on a loaded 2-core machine tak
 LAYOUTS = {"1+1": [1, 1], "2+1+1": [2, 1, 1], "2+2": [2, 2]}
 
 
-def torchrun_argv(nnodes: int, nproc: int, endpoint: str, script: str, *args: str) -> list[str]:
+def torchrun_argv(nnodes: int, nproc: int, endpoint: str, script: str, *args: str,
+                  rdzv_conf: str | None = None) -> list[str]:
     """torchrun on one host of a multi-node job: c10d rendezvous at ``endpoint``, no restarts."""
+    conf = [f"--rdzv-conf={rdzv_conf}"] if rdzv_conf else []
     return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
             f"--nproc-per-node={nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
-            "--rdzv-id=multihost", "--max-restarts=0", "--monitor-interval=0.5", script, *args]
+            "--rdzv-id=multihost", "--max-restarts=0", "--monitor-interval=0.5", *conf, script,
+            *args]
 
 
 def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -51,13 +54,14 @@ def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def launch(hs: list, layout: list[int], script: str, args: list[str], env: dict[str, str],
-           port: int = 29400) -> list[subprocess.Popen]:
+           port: int = 29400, rdzv_conf: str | None = None) -> list[subprocess.Popen]:
     """Start torchrun on every host (``layout[i]`` ranks on host i); output to shared logs."""
     procs = []
     endpoint = f"{hs[0].addr}:{port}"
     for h, nproc in zip(hs, layout):
         log = open(os.path.join(h.shared, f"agent-{h.name}.log"), "w")
-        procs.append(h.popen(torchrun_argv(len(layout), nproc, endpoint, script, *args), env=env,
+        procs.append(h.popen(torchrun_argv(len(layout), nproc, endpoint, script, *args,
+                                           rdzv_conf=rdzv_conf), env=env,
                              cwd=h.shared, stdout=log, stderr=subprocess.STDOUT))
         log.close()
     return procs
