@@ -44,6 +44,8 @@ total = torchring.allreduce(torch.tensor([rank + 1]))
 print("seen " + json.dumps({"rank": rank, "size": torchring.size(), "sum": int(total.item()),
       "cwd": os.getcwd(), "var": os.environ.get("TORCHRING_TEST_VAR"), "python": sys.executable,
       "host": socket.gethostname(), "args": sys.argv[3:]}), flush=True)
+if what[0] == "ok":  # a progress bar's redraws: each keeps its prefix through the hosts' pipes
+    sys.stdout.write(f"bar {rank}a\\rbar {rank}b\\n")
 if what[0] == "fail" and rank == int(what[1]):
     sys.exit(int(what[2]))
 if what[0] != "ok":
@@ -111,12 +113,16 @@ def test_fake_ssh_forwards_environment_directory_arguments_and_keeps_host_order(
     args = ["-H", "localhost:1,fakehost:2", "-p", "2222", "-i", str(tmp_path / "key"),
             "python", "job.py", "ok", str(tmp_path), "with space", "it's"]
     proc = subprocess.run(_launcher() + args, cwd=tmp_path, env=_fake_env(tmp_path), capture_output=True,
-                          text=True, timeout=150)
-    out = proc.stdout + proc.stderr
+                          timeout=150)  # bytes: a text stream would turn each \r into \n
+    stdout = proc.stdout.decode()
+    out = stdout + proc.stderr.decode()
     assert proc.returncode == 0, out
-    seen = _seen(proc.stdout)
+    seen = _seen(stdout)
     assert sorted(seen) == [0, 1, 2], out
-    assert [seen[r][0] for r in range(3)] == ["[localhost:0]: ", "[fakehost:1]: ", "[fakehost:2]: "]
+    prefixes = ["[localhost:0]: ", "[fakehost:1]: ", "[fakehost:2]: "]
+    assert [seen[r][0] for r in range(3)] == prefixes
+    for rank, prefix in enumerate(prefixes):
+        assert f"{prefix}bar {rank}a\r{prefix}bar {rank}b\n" in stdout, repr(stdout)
     for prefix, record in seen.values():
         assert (record["size"], record["sum"]) == (3, 1 + 2 + 3), record
         assert (Path(record["cwd"]), record["var"], record["args"]) == \
@@ -250,8 +256,8 @@ def _job_processes(host: object) -> list[int]:
 @pytest.fixture
 def ssh_hosts(tmp_path: Path):
     """Two simulated hosts sharing tmp_path; sshd in trh1 (the launcher runs in trh0)."""
-    if not Path("/usr/sbin/sshd").exists() or not shutil.which("ssh-keygen"):
-        pytest.skip("OpenSSH's server is not installed (Debian: apt-get install openssh-server)")
+    if not Path("/usr/sbin/sshd").exists() or not shutil.which("ssh-keygen") or not shutil.which("ssh"):
+        pytest.skip("OpenSSH's server and client are not installed (Debian: apt-get install openssh-server)")
     from _hosts import hosts
     keys = tmp_path / "keys"
     _keys(keys)
