@@ -169,6 +169,7 @@ def _stop(nodes: list[_Node]) -> None:
 
 
 def _ssh_hint(host: str, code: int) -> str:
+    """What to check when ssh to `host` failed with `code` (255: ssh's own error)."""
     return (f"torchring-run: ssh to {host} failed (exit code {code}, its message is above): check that "
             f"`ssh {host} true` works without a password prompt (keys; --ssh-port, --ssh-identity-file or "
             "TORCHRING_SSH for the options)")

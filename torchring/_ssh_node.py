@@ -1,7 +1,8 @@
 """One host's part of a `torchring-run -H` job, started by torchring/_ssh_launch.py (directly
 or over ssh): torch's elastic agent with the static rendezvous (node rank = the host's place in
--H), lines prefixed [host:global rank]: (torchring/_output.py), stopped when its stdin (the launcher's pipe) closes,
-exit code the first failing rank's (torchring.run's rule), not the 1 of torchrun."""
+-H), lines prefixed [host:global rank]: (torchring/_output.py), stopped when its stdin (the
+launcher's pipe) closes, exit code the first failing rank's (torchring.run's rule), not the 1
+of torchrun."""
 
 from __future__ import annotations
 
