@@ -41,7 +41,7 @@ __all__ = ["FORWARD_NAMES", "FORWARD_PREFIXES", "NOT_FORWARDED", "plan_hosts", "
 FORWARD_NAMES = ("PATH", "PYTHONPATH", "VIRTUAL_ENV", "CONDA_PREFIX", "LD_LIBRARY_PATH",
                  "LD_PRELOAD", "CUDA_VISIBLE_DEVICES", "CUDA_HOME", "TMPDIR", "LANG", "LC_ALL")
 FORWARD_PREFIXES = ("TORCHRING_", "HOROVOD_", "PYTHON", "TORCH_", "NCCL_", "GLOO_", "OMP_",
-                    "MKL_", "KMP_", "OPENBLAS_", "HF_")
+                    "MKL_", "KMP_", "OPENBLAS_")  # no secrets (HF_TOKEN, AWS_*): ps shows ssh's argv
 NOT_FORWARDED = frozenset({"TORCHRING_ADDR", "TORCHRING_BIND_ADDR", "TORCHRING_HOSTNAME",
                            "TORCHRING_SSH"})  # one host's own, or the launcher's
 STOP_GRACE_S = 30.0  # after a node's stdin closes: then SIGTERM, and SIGKILL 10 s later

@@ -31,7 +31,8 @@ def test_the_variables_that_matter_are_forwarded_and_host_specific_ones_are_not(
            "LD_LIBRARY_PATH": "/lib", "TORCH_DISTRIBUTED_DEBUG": "DETAIL", "CUDA_VISIBLE_DEVICES": "0",
            "TORCHRING_ADDR": "10.0.0.1", "TORCHRING_BIND_ADDR": "10.0.0.1", "TORCHRING_HOSTNAME": "me",
            "TORCHRING_SSH": "ssh -v", "HOME": "/root", "SSH_AUTH_SOCK": "/tmp/x", "HOSTNAME": "me",
-           "MASTER_ADDR": "me", "RANK": "0", "LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "x", "DISPLAY": ":0"}
+           "MASTER_ADDR": "me", "RANK": "0", "LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "x", "DISPLAY": ":0",
+           "HF_TOKEN": "secret", "AWS_SECRET_ACCESS_KEY": "secret"}
     got = sl.forwarded_env(env)
     assert set(got) == {"TORCHRING_TIMEOUT", "HOROVOD_FUSION_THRESHOLD", "PATH", "PYTHONPATH", "VIRTUAL_ENV",
                         "OMP_NUM_THREADS", "NCCL_DEBUG", "LD_LIBRARY_PATH", "TORCH_DISTRIBUTED_DEBUG",
