@@ -32,7 +32,6 @@ import re
 import shutil
 import signal
 import subprocess
-import tempfile
 import time
 from typing import Iterator
 

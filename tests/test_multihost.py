@@ -188,7 +188,6 @@ def _collectives(chk, rank: int, world: int) -> None:
         chk.equal(f"recv {dtype} x{numel} from {prv}", buf, rank_input(prv, world, numel, dtype))
     last = world - 1
     if rank in (0, last):
-        peer = last if rank == 0 else 0
         buf = torch.empty(9, dtype=torch.int64)
         if rank == 0:
             torchring.send(torch.arange(9) * 7, last, tag=5)
@@ -198,7 +197,6 @@ def _collectives(chk, rank: int, world: int) -> None:
             torchring.recv(buf, 0, tag=5)
             torchring.send(torch.arange(9) * 5, 0, tag=6)
             chk.equal("send/recv last <-> 0", buf, torch.arange(9) * 7)
-        del peer
     torchring.barrier()
 
 
