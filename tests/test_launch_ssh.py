@@ -255,26 +255,28 @@ def _job_processes(host: object) -> list[int]:
 
 @pytest.fixture
 def ssh_hosts(tmp_path: Path):
-    """Two simulated hosts sharing tmp_path; sshd in trh1 (the launcher runs in trh0)."""
+    """Three simulated hosts sharing tmp_path; sshd in trh1 and trh2 (the launcher runs in trh0)."""
     if not Path("/usr/sbin/sshd").exists() or not shutil.which("ssh-keygen") or not shutil.which("ssh"):
         pytest.skip("OpenSSH's server and client are not installed (Debian: apt-get install openssh-server)")
     from _hosts import hosts
     keys = tmp_path / "keys"
     _keys(keys)
     _job(tmp_path)
-    with hosts(2, shared=str(tmp_path)) as hs:
-        sshd = _start_sshd(hs[1], keys)
+    with hosts(3, shared=str(tmp_path)) as hs:
+        daemons = [_start_sshd(h, keys) for h in hs[1:]]
         try:
             yield hs, keys
         finally:
-            for h in hs:
-                h.signal_all(signal.SIGKILL) if h.index else None
-            sshd.kill()
-            sshd.wait(timeout=10)
+            for h in hs[1:]:
+                h.signal_all(signal.SIGKILL)
+            for sshd in daemons:
+                sshd.kill()
+                sshd.wait(timeout=10)
 
 
-def _launch_on(host: object, keys: Path, tmp_path: Path, job_args: list[str], **kw: object) -> subprocess.Popen:
-    argv = _launcher() + ["-H", "trh1:2,trh0:1", "--ssh-port", str(_SSHD_PORT), "--ssh-identity-file",
+def _launch_on(host: object, keys: Path, tmp_path: Path, job_args: list[str], spec: str = "trh1:2,trh0:1",
+               **kw: object) -> subprocess.Popen:
+    argv = _launcher() + ["-H", spec, "--ssh-port", str(_SSHD_PORT), "--ssh-identity-file",
                           str(keys / "client_key"), "python", "job.py", *job_args]
     return host.popen(argv, env=_ssh_env(keys), cwd=str(tmp_path), stdout=subprocess.PIPE,
                       stderr=subprocess.PIPE, text=True, **kw)
@@ -282,16 +284,16 @@ def _launch_on(host: object, keys: Path, tmp_path: Path, job_args: list[str], **
 
 def test_sshd_ranks_follow_the_hosts_order_with_environment_directory_and_arguments(ssh_hosts, tmp_path):
     hs, keys = ssh_hosts
-    proc = _launch_on(hs[0], keys, tmp_path, ["ok", str(tmp_path), "with space", "it's"])
+    proc = _launch_on(hs[0], keys, tmp_path, ["ok", str(tmp_path), "with space", "it's"], "trh2:1,trh1:2,trh0:1")
     stdout, stderr = proc.communicate(timeout=150)
     assert proc.returncode == 0, stdout + stderr
     seen = _seen(stdout)
-    assert sorted(seen) == [0, 1, 2], stdout + stderr
-    # trh1 is first in -H though its name sorts after trh0: it has ranks 0 and 1
-    assert [(seen[r][0], seen[r][1]["host"]) for r in range(3)] == \
-        [("[trh1:0]: ", "trh1"), ("[trh1:1]: ", "trh1"), ("[trh0:2]: ", "trh0")]
+    assert sorted(seen) == [0, 1, 2, 3], stdout + stderr
+    # -H order, the reverse of the names' order: trh2 (remote, holds the store) has rank 0
+    assert [(seen[r][0], seen[r][1]["host"]) for r in range(4)] == \
+        [("[trh2:0]: ", "trh2"), ("[trh1:1]: ", "trh1"), ("[trh1:2]: ", "trh1"), ("[trh0:3]: ", "trh0")]
     for _, record in seen.values():
-        assert (record["size"], record["sum"]) == (3, 1 + 2 + 3), record
+        assert (record["size"], record["sum"]) == (4, 1 + 2 + 3 + 4), record
         assert (Path(record["cwd"]), record["var"], record["args"], record["python"]) == \
             (tmp_path, "it's a $var", ["with space", "it's"], sys.executable), record
 
