@@ -48,10 +48,8 @@ from ._settings import Settings
 __all__ = ["main", "torchrun_args", "rank_env", "parse_hosts", "local_slots"]
 
 _MIB = 1024 * 1024
-_MULTI_HOST = ("torchring-run starts ranks on this host only: multi-host -H/--hostfile (over ssh) "
-               "is not supported yet. To run on several hosts today, start torchrun on each of them, "
-               "e.g. torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d "
-               "--rdzv-endpoint=HOST0:29500 train.py (README, 'several hosts')")
+_MULTI_HOST = ("local_slots() counts this host's slots only; torchring-run -H starts the other hosts' "
+               "ranks over ssh (README, 'Several hosts with torchring-run -H')")
 
 
 def _at_least(lo: float, kind: type = float) -> Any:

@@ -116,12 +116,11 @@ def test_this_host_under_any_of_its_names_counts_its_slots() -> None:
     assert run.local_slots(hosts) == 10
 
 
-def test_another_host_says_how_to_run_several_hosts_today() -> None:
+def test_local_slots_names_the_other_hosts_and_the_launch_that_takes_them() -> None:
     with pytest.raises(ValueError) as caught:
         run.local_slots([("localhost", 2), ("gpu-node-17.example", 4)])
     text = str(caught.value)
-    assert "gpu-node-17.example" in text and "not supported yet" in text
-    assert "torchrun --nnodes" in text and "--rdzv-endpoint" in text
+    assert "gpu-node-17.example" in text and "torchring-run -H" in text
 
 
 def test_np_defaults_to_the_slots_and_may_use_fewer(tmp_path: Path) -> None:
