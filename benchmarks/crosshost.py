@@ -14,8 +14,9 @@ namespaces joined by a bridge; every host's egress shaped to --rate with tc; add
 198.18.0.0/15 with no route out, so no traffic leaves loopback and the test hosts). In the same
 run, on the same links:
 - the link: iperf3 from host 0 to host 1 (`iperf3 -s -1` on host 1, `iperf3 -c -J` on host 0),
-  one stream (and -P N per --iperf-streams), before and after the allreduce job; the link rate is
-  the mean of the single-stream receiver rates before and after;
+  one stream, before and after the allreduce job: the link rate is the mean of the two receiver
+  rates. Also, per --iperf: more streams (-P N) and `--bidir` (one stream each way at once: what
+  a 2-rank ring does; on a shaped link it matches one way, on an unshaped veth the CPU splits);
 - the job: --per-host ranks on each of --hosts hosts (env:// rendezvous at host 0, RANK/WORLD_SIZE
   per process); every rank joins a gloo process group and torchring (`torchring.init()`; across
   hosts that is the TCP ring). Per size and library: an exact check on integer data (#wrong,
@@ -25,7 +26,7 @@ run, on the same links:
   per call. A trial's time is the max over ranks; the table shows the median over trials.
 algbw = bytes/time, busbw = algbw * 2(n-1)/n (GB/s, n = world size); "x link" = busbw / link
 rate, in the same unit (at 1 rank per host each byte of busbw crosses one host's link once in each
-direction, so 1.00 is the link's one-direction rate); gloo/tr = gloo time / torchring time
+direction, so 1.00 is the link's one-direction rate; the JSON also has x_bidir); gloo/tr = gloo time / torchring time
 (above 1: torchring is faster).
 """
 
@@ -142,36 +143,50 @@ def _rank_main(a: argparse.Namespace) -> None:
 
 # ---------------------------------------------------------------- the driver (runs on the machine)
 
-def iperf3(server: Any, client: Any, streams: int, seconds: float) -> float:
-    """Receiver-side bits/s of one iperf3 run from ``client`` to ``server`` (Host objects)."""
-    srv = server.popen(["iperf3", "-s", "-1", "-B", server.addr], stdout=subprocess.DEVNULL,
-                       stderr=subprocess.PIPE, text=True)
+def iperf3(server: Any, client: Any, streams: int, seconds: float, bidir: bool = False) -> float:
+    """Receiver-side bits/s of one iperf3 run from ``client`` to ``server`` (Host objects); with
+    ``bidir``, both directions at once and the mean of the two directions' rates."""
+    srv, errors, deadline = None, [], time.monotonic() + 20
     try:
-        deadline = time.monotonic() + 10
         while True:
+            if srv is None or srv.poll() is not None:  # -s -1: a server serves one test, then exits
+                srv = server.popen(["iperf3", "-s", "-1", "-B", server.addr], stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL)
+                time.sleep(0.3)
             r = client.run(["iperf3", "-c", server.addr, "-B", client.addr, "-t", str(seconds),
-                            "-P", str(streams), "-J"], timeout=seconds + 30, capture_output=True, text=True)
-            if r.returncode == 0 or time.monotonic() > deadline or srv.poll() is not None:
-                break
-            time.sleep(0.2)  # the server is not listening yet
-        if r.returncode != 0:
-            raise RuntimeError(f"iperf3 -c {server.addr} -P {streams} failed ({r.returncode}): "
-                               f"{r.stdout[-600:]}{r.stderr[-600:]}")
-        return float(json.loads(r.stdout)["end"]["sum_received"]["bits_per_second"])
+                            "-P", str(streams), "-J"] + ["--bidir"] * bidir, timeout=seconds + 30,
+                           capture_output=True, text=True)
+            try:
+                end = json.loads(r.stdout)["end"]
+                keys = ["sum_received"] + ["sum_received_bidir_reverse"] * bidir
+                return statistics.mean(float(end[k]["bits_per_second"]) for k in keys)
+            except (ValueError, KeyError, TypeError):
+                try:
+                    errors.append(str(json.loads(r.stdout).get("error", r.stdout[-300:])))
+                except ValueError:
+                    errors.append(f"rc {r.returncode}: {r.stdout[-300:]}{r.stderr[-300:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"iperf3 -c {server.addr} -P {streams} gave no result in "
+                                   f"{len(errors)} tries: {errors[-3:]}")
+            print(f"iperf3 -c {server.addr} -P {streams}: {errors[-1]}; trying again", flush=True)
+            time.sleep(0.2)
     finally:
-        try:
-            srv.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            srv.kill()
-            srv.wait()
+        if srv is not None:
+            try:
+                srv.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                srv.kill()
+                srv.wait()
 
 
-def _link(hs: list, streams: list[int], seconds: float, when: str, link: dict) -> None:
-    for p in streams:
-        bps = iperf3(hs[1], hs[0], p, seconds)
-        link.setdefault(f"P{p}", []).append(bps)
-        print(f"iperf3 {hs[0].name} -> {hs[1].name}, {p} stream{'s' * (p > 1)}, {when}: "
-              f"{bps / 1e9:.3f} Gbit/s", flush=True)
+def _link(hs: list, modes: list[str], seconds: float, when: str, link: dict) -> None:
+    """iperf3 host 0 -> host 1 once per mode ("1", "2": streams; "bidir": both ways, 1 stream)."""
+    for mode in modes:
+        bidir = mode == "bidir"
+        bps = iperf3(hs[1], hs[0], 1 if bidir else int(mode), seconds, bidir)
+        link.setdefault(mode, []).append(bps)
+        what = "1 stream each way at once, per direction" if bidir else f"-P {mode}"
+        print(f"iperf3 {hs[0].name} -> {hs[1].name}, {what}, {when}: {bps / 1e9:.3f} Gbit/s", flush=True)
 
 
 def run_job(hs: list, a: argparse.Namespace, rows_path: str) -> list[dict]:
@@ -238,11 +253,13 @@ def _progress(rec: dict) -> None:
         print(f"  {fmt_size(rec['size'])} {rec['dtype']}: " + ", ".join(parts), flush=True)
 
 
-def print_table(rows: list[dict], libs: list[str], link_GBps: float) -> None:
+def print_table(rows: list[dict], libs: list[str], link_GBps: float, bidir_GBps: float | None) -> None:
+    """The table: per library time, algbw, busbw, #wrong, x link (and x bidir); then gloo/tr."""
     names = ["size", "count", "dtype"]
     for lib in libs:
         s = "tr" if lib == "torchring" else lib
         names += [f"{s} time(us)", f"{s} algbw", f"{s} busbw", f"{s} #wrong", f"{s} x link"]
+        names += [f"{s} x bidir"] if bidir_GBps else []
     names += ["gloo/tr"] if len(libs) == 2 else []
     print("| " + " | ".join(names) + " |\n|" + "---|" * len(names))
     for row in rows:
@@ -251,6 +268,7 @@ def print_table(rows: list[dict], libs: list[str], link_GBps: float) -> None:
             m = row[lib]
             cells += [f"{m['time_us']:.0f}", f"{m['algbw']:.3f}", f"{m['busbw']:.3f}", str(m["wrong"]),
                       f"{m['busbw'] / link_GBps:.2f}"]
+            cells += [f"{m['busbw'] / bidir_GBps:.2f}"] if bidir_GBps else []
         if len(libs) == 2:
             cells.append(f"{row['gloo']['time_us'] / row['torchring']['time_us']:.2f}")
         print("| " + " | ".join(cells) + " |", flush=True)
@@ -280,7 +298,9 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=5, help="timed trials per point and library (default 5)")
     p.add_argument("--trial-s", type=float, default=0.3, help="target seconds per trial (default 0.3)")
     p.add_argument("--libs", default="torchring,gloo", help="torchring and/or gloo (default both)")
-    p.add_argument("--iperf-streams", default="1", help="iperf3 -P values, e.g. 1,2 (default 1)")
+    p.add_argument("--iperf", default="1,bidir",
+                   help="iperf3 runs: stream counts (-P) and/or 'bidir' (both directions at once); "
+                        "the link rate is always -P 1's (default 1,bidir)")
     p.add_argument("--iperf-s", type=float, default=2.0, help="seconds per iperf3 run (default 2)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds the job may take (default 600)")
     p.add_argument("--json", help="also write machine, arguments, link and rows to this JSON file")
@@ -293,9 +313,10 @@ def main() -> None:
     if a.quick:
         a.sizes, a.trials, a.trial_s = "1M,16M", 3, 0.2
     libs = [lib for lib in LIBS if lib in a.libs.split(",")]
-    streams = [int(s) for s in a.iperf_streams.split(",")]
-    if 1 not in streams:
-        streams.insert(0, 1)
+    modes = [m.strip() for m in a.iperf.split(",") if m.strip()]
+    if any(m != "bidir" and not m.isdigit() for m in modes):
+        raise SystemExit(f"--iperf {a.iperf}: expected stream counts and/or 'bidir', e.g. 1,2,bidir")
+    modes = ["1"] + [m for m in modes if m != "1"]
     if a.hosts < 2:
         raise SystemExit(f"--hosts {a.hosts}: a cross-host benchmark needs at least 2 hosts")
     rate = None if a.rate.lower() == "none" else a.rate
@@ -318,24 +339,27 @@ def main() -> None:
 
     try:
         with hosts(a.hosts, rate=rate) as hs:
-            _link(hs, streams, a.iperf_s, "before", link)
+            _link(hs, modes, a.iperf_s, "before", link)
             records = run_job(hs, a, os.path.join(hs[0].shared, "rows.jsonl"))
-            _link(hs, streams, a.iperf_s, "after", link)
+            _link(hs, modes, a.iperf_s, "after", link)
     except pytest.skip.Exception as e:  # the fixture's way of saying "not here"
         raise SystemExit(f"cannot make test hosts: {e}") from None
     info["loadavg_after"] = os.getloadavg()
     rows = [r for r in records if r["kind"] == "row"]
     job = next(r for r in records if r["kind"] == "job")
-    link_bps = statistics.mean(link["P1"])
+    link_bps = statistics.mean(link["1"])
     print(f"\nlink: iperf3 1 stream {link_bps / 1e9:.3f} Gbit/s = {link_bps / 8e9:.3f} GB/s (mean of "
-          f"{', '.join(f'{x / 1e9:.3f}' for x in link['P1'])})"
-          + "".join(f"; {k[1:]} streams {', '.join(f'{x / 1e9:.3f}' for x in v)} Gbit/s"
-                    for k, v in link.items() if k != "P1")
+          f"{', '.join(f'{x / 1e9:.3f}' for x in link['1'])})"
+          + "".join(f"; {'bidir, per direction,' if k == 'bidir' else f'-P {k}'} "
+                    f"{', '.join(f'{x / 1e9:.3f}' for x in v)} Gbit/s" for k, v in link.items() if k != "1")
           + f"; torchring transport {job['transport']}; loadavg after {info['loadavg_after'][0]:.2f}\n")
-    print_table(rows, libs, link_bps / 8e9)
+    bidir_bps = statistics.mean(link["bidir"]) if "bidir" in link else None
+    print_table(rows, libs, link_bps / 8e9, bidir_bps and bidir_bps / 8e9)
     for row in rows:
         for lib in libs:
             row[lib]["x_link"] = row[lib]["busbw"] / (link_bps / 8e9)
+            if bidir_bps:
+                row[lib]["x_bidir"] = row[lib]["busbw"] / (bidir_bps / 8e9)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"machine": info, "args": vars(a), "job": job, "link_bps": link, "rows": rows}, f,
