@@ -333,7 +333,14 @@ def main() -> None:
           f"{' (torchring/ modified)' if info['dirty'] else ''}, {info['iperf3']}, "
           f"loadavg {info['loadavg'][0]:.2f})")
     print(f"{a.hosts} hosts x {a.per_host} rank(s), links {rate or 'unshaped veth'}; "
-          f"times are medians of {a.trials} interleaved trials\n", flush=True)
+          f"times are medians of {a.trials} interleaved trials", flush=True)
+    if a.per_host > 1:
+        print("note: with several ranks per host, busbw is the flat ring's formula; torchring's "
+              "hybrid path moves fewer bytes across hosts, so its 'x link' can exceed 1")
+    if a.hosts * a.per_host > (os.cpu_count() or 1):
+        print(f"OVERSUBSCRIBED: {a.hosts * a.per_host} ranks on {os.cpu_count()} cores, "
+              "not for bandwidth claims")
+    print(flush=True)
     link: dict[str, list[float]] = {}
     import pytest
 
