@@ -26,8 +26,8 @@ run, on the same links:
   per call. A trial's time is the max over ranks; the table shows the median over trials.
 algbw = bytes/time, busbw = algbw * 2(n-1)/n (GB/s, n = world size); "x link" = busbw / link
 rate, in the same unit (at 1 rank per host each byte of busbw crosses one host's link once in each
-direction, so 1.00 is the link's one-direction rate; the JSON also has x_bidir); gloo/tr = gloo time / torchring time
-(above 1: torchring is faster).
+direction, so 1.00 is the link's one-direction rate); "x bidir" = busbw / iperf3 --bidir's rate
+per direction; gloo/tr = gloo time / torchring time (above 1: torchring is faster).
 """
 
 from __future__ import annotations
@@ -327,10 +327,10 @@ def main() -> None:
     if why:
         raise SystemExit(f"cannot make test hosts: {why}")
     _build.load()  # build the engine once here, not concurrently in every rank
-    info = {**machine_info(), **_versions()}
+    info = {**machine_info(), **_versions(), "engine": os.path.basename(str(_build.build_dir()))}
     print(f"# cross-host allreduce: torchring vs gloo vs iperf3  ({info['date']}, {info['cpu']}, "
           f"{info['cores']} cores, torch {info['torch']}, commit {info['commit']}"
-          f"{' (torchring/ modified)' if info['dirty'] else ''}, {info['iperf3']}, "
+          f"{' (torchring/ modified)' if info['dirty'] else ''}, engine {info['engine']}, {info['iperf3']}, "
           f"loadavg {info['loadavg'][0]:.2f})")
     print(f"{a.hosts} hosts x {a.per_host} rank(s), links {rate or 'unshaped veth'}; "
           f"times are medians of {a.trials} interleaved trials", flush=True)
