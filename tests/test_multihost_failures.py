@@ -168,11 +168,6 @@ def test_store_host_link_down() -> None:
     _store_host_outcome()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "engine: with the store host cut off, rank 2 (whose ring neighbour rank 1 is alive) says "
-    "'no progress receiving from rank 1 ... the rendezvous store did not answer within 3 s, so "
-    "rank 1's own error is unknown (its host may be unreachable)': it names neither the lost "
-    "rank 0 nor its host (reported to the lead)"))
 def test_store_host_link_down_names_lost_host() -> None:
     """Every rank off host 0 names the lost rank 0 and its host (trh0 or its address)."""
     naming, _, logs = _store_host_outcome()

@@ -92,6 +92,21 @@ def route_addr(master_addr: str, override: str | None) -> str:
         return probe.getsockname()[0]
 
 
+def store_where(master_addr: str, infos: list[dict]) -> str:
+    """How failure messages name the store when it does not answer: its host, its address and the
+    ranks that run there (those whose route address to it is its own address)."""
+    try:
+        target = socket.gethostbyname(master_addr)
+    except OSError:
+        target = master_addr
+    there = [r for r, info in enumerate(infos) if info.get("addr") == target]
+    if not there:
+        return f"the rendezvous store on {master_addr}"
+    ranks = "rank " + str(there[0]) + " runs" if len(there) == 1 else \
+        "ranks " + ", ".join(map(str, there)) + " run"
+    return f"the rendezvous store on {infos[there[0]]['host']} ({target}, where {ranks})"
+
+
 def host_groups(hosts: list[str]) -> list[list[int]]:
     """Ranks per host identity, hosts ordered by their smallest rank."""
     groups: dict[str, list[int]] = {}
@@ -156,3 +171,5 @@ def wire(comm: Any, store: dist.Store, prefix: str, rank: int, master_addr: str,
         others = [None if r in mine else info_of(r) for r in range(world)]
         comm.set_p2p_peers([i["addr"] if i else "" for i in others],
                            [int(i["p2p_port"]) if i else -1 for i in others])
+        comm.set_failure_board(dist.PrefixStore(prefix, store),
+                               store_where(master_addr, [i or info for i in others]))

@@ -236,8 +236,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("start", &Communicator::start)
       .def(
           "set_failure_board",
-          [](Communicator& c, c10::intrusive_ptr<c10d::Store> store) {
+          [](Communicator& c, c10::intrusive_ptr<c10d::Store> store, const std::string& where) {
             torchring::FailureBoard board;
+            if (!where.empty()) board.where = where;
             board.post = [store](int rank, const std::string& message) {
               store->set("failed/" + std::to_string(rank),
                          std::vector<uint8_t>(message.begin(), message.end()));
@@ -250,7 +251,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             };
             c.setFailureBoard(std::move(board));
           },
-          py::arg("store"))
+          py::arg("store"), py::arg("where") = "")
       .def("shutdown", &Communicator::shutdown, py::call_guard<py::gil_scoped_release>())
       .def(
           "submit",

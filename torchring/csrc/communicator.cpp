@@ -198,8 +198,9 @@ std::string Communicator::explainPeer(int peer, const std::string& message) {
         return " -- rank " + std::to_string(peer) + " reported no error: it died or is unreachable";
       },
       patience + 1.0,
-      " -- the rendezvous store did not answer within " + std::to_string(static_cast<int>(patience + 1.0)) +
-          " s, so rank " + std::to_string(peer) + "'s own error is unknown (its host may be unreachable)");
+      " -- " + board.where + " did not answer within " + std::to_string(static_cast<int>(patience + 1.0)) +
+          " s either: that host is likely unreachable or down, so rank " + std::to_string(peer) +
+          "'s own error is unknown");
 }
 
 void Communicator::shutdown() {

@@ -60,6 +60,9 @@ struct CommOptions {
 struct FailureBoard {
   std::function<void(int rank, const std::string& message)> post;
   std::function<std::string(int rank)> read;  // "" when the rank posted nothing
+  // Where the store lives, for the message when it does not answer: "the rendezvous store on
+  // trh0 (198.18.0.1, where rank 0 runs)"; its host is then the one that is cut off.
+  std::string where = "the rendezvous store";
 };
 
 // What some collectives take besides the tensor (communicator.cpp's submit() checks them).
