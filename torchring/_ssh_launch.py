@@ -18,11 +18,17 @@ closes (the launcher stopped the job, exited, or was killed, or the ssh connecti
 node gives itself SIGTERM and torch's agent stops its ranks. When a node fails, the launcher
 closes every other node's stdin; the launcher's exit code is the first failing node's, which is
 its first failing rank's exit status (run._exit_code), not the 1 of torchrun.
+
+A pulled cable closes nothing: the default ssh command sends keepalives (ALIVE_INTERVAL_S apart)
+and gives up on a host silent for TORCHRING_TIMEOUT (ssh exits 255). The nodes cut off from the
+first host need no launcher: their ranks raise within TORCHRING_TIMEOUT, and the static
+rendezvous's agent does not touch the store after a failure (torch 2.13), so it returns.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
 import shlex
@@ -35,6 +41,8 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Callable, Mapping, Sequence
 
+from ._settings import Settings
+
 __all__ = ["FORWARD_NAMES", "FORWARD_PREFIXES", "NOT_FORWARDED", "plan_hosts", "forwarded_env",
            "master_address", "node_argv", "remote_command", "ssh_argv", "launch", "launch_args"]
 
@@ -45,6 +53,7 @@ FORWARD_PREFIXES = ("TORCHRING_", "HOROVOD_", "PYTHON", "TORCH_", "NCCL_", "GLOO
 NOT_FORWARDED = frozenset({"TORCHRING_ADDR", "TORCHRING_BIND_ADDR", "TORCHRING_HOSTNAME",
                            "TORCHRING_SSH"})  # one host's own, or the launcher's
 STOP_GRACE_S = 30.0  # after a node's stdin closes: then SIGTERM, and SIGKILL 10 s later
+ALIVE_INTERVAL_S = 5  # the default ssh client probes a silent host this often (ServerAliveInterval)
 
 
 def plan_hosts(hosts: Sequence[tuple[str, int]], num_proc: int) -> list[tuple[str, int]]:
@@ -104,9 +113,13 @@ def remote_command(argv: Sequence[str], env: Mapping[str, str], cwd: str) -> str
 
 
 def ssh_argv(host: str, command: str, *, port: int | None = None, identity: str | None = None,
-             ssh: str | None = None) -> list[str]:
-    """The ssh client command running `command` on `host` (TORCHRING_SSH's words replace `ssh`)."""
+             ssh: str | None = None, alive_s: float | None = None) -> list[str]:
+    """The ssh client command running `command` on `host` (TORCHRING_SSH's words replace `ssh`);
+    with `alive_s`, the default client gives up on a host silent that long (at least 15 s)."""
     base = shlex.split(ssh) if ssh else ["ssh", "-T", "-o", "BatchMode=yes"]
+    if alive_s is not None and not ssh:
+        base += ["-o", f"ServerAliveInterval={ALIVE_INTERVAL_S}",
+                 "-o", f"ServerAliveCountMax={max(3, math.ceil(alive_s / ALIVE_INTERVAL_S))}"]
     base += ["-p", str(port)] if port is not None else []
     base += ["-i", identity] if identity else []
     return base + [host, command]
@@ -170,9 +183,10 @@ def _stop(nodes: list[_Node]) -> None:
 
 def _ssh_hint(host: str, code: int) -> str:
     """What to check when ssh to `host` failed with `code` (255: ssh's own error)."""
-    return (f"torchring-run: ssh to {host} failed (exit code {code}, its message is above): check that "
-            f"`ssh {host} true` works without a password prompt (keys; --ssh-port, --ssh-identity-file or "
-            "TORCHRING_SSH for the options)")
+    return (f"torchring-run: ssh to {host} failed (exit code {code}, its message is above): if it never "
+            f"connected, check that `ssh {host} true` works without a password prompt (keys; --ssh-port, "
+            "--ssh-identity-file or TORCHRING_SSH for the options); if it did, the host or its network "
+            "stopped answering")
 
 
 def launch(hosts: Sequence[tuple[str, int]], is_this_host: Callable[[str], bool], command: Sequence[str],
@@ -183,6 +197,7 @@ def launch(hosts: Sequence[tuple[str, int]], is_this_host: Callable[[str], bool]
     master, port = master_address(hosts[0][0], local[0]), free_port(local[0])
     job, env, cwd = f"{os.getpid():x}{random.getrandbits(32):08x}", forwarded_env(os.environ), os.getcwd()
     ssh = os.environ.get("TORCHRING_SSH") or None
+    alive_s = Settings.from_env(os.environ).timeout  # a host silent as long as the ranks wait is lost
     nodes: list[_Node] = []
     stop_signal: list[int] = []
     previous = {s: signal.signal(s, lambda sig, _f: stop_signal.append(sig))
@@ -194,7 +209,7 @@ def launch(hosts: Sequence[tuple[str, int]], is_this_host: Callable[[str], bool]
                              rank0_only=rank0_only, command=command)
             if not here:
                 argv = ssh_argv(host, remote_command(argv, env, cwd), port=ssh_port, identity=ssh_identity,
-                                ssh=ssh)
+                                ssh=ssh, alive_s=alive_s)
             if verbose:
                 print(f"torchring-run: {host}: {shlex.join(argv)}", file=sys.stderr)
             nodes.append(_start(host, argv))
