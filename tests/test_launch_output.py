@@ -19,7 +19,9 @@ from torchring import _threads
 _SCRIPT = r"""
 import os, sys, time
 rank = os.environ["RANK"]
-print(f"hello from {rank} threads={os.environ.get('OMP_NUM_THREADS')}", flush=True)
+# one write per line: under -u, print() writes the text and the newline separately, and with
+# --no-prefix two ranks' unprefixed bytes may interleave between those writes
+sys.stdout.write(f"hello from {rank} threads={os.environ.get('OMP_NUM_THREADS')}\n"); sys.stdout.flush()
 if rank == "0":
     time.sleep(0.3)
     for i in range(4):
