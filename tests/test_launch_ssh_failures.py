@@ -143,3 +143,54 @@ def test_the_default_ssh_client_gives_up_on_a_host_silent_for_torchring_timeout(
     assert "ServerAliveInterval=5" in argv and "ServerAliveCountMax=60" in argv, argv
     assert "ServerAliveCountMax=3" in sl.ssh_argv("h1", "cmd", alive_s=2.0)
     assert sl.ssh_argv("h1", "cmd", ssh="myssh -v", alive_s=300.0) == ["myssh", "-v", "h1", "cmd"]  # user's own
+
+
+# A node whose torch agent never returns after its ranks failed (as torchrun's c10d agent does
+# when the store's host is unreachable): the agent is made to hang in what it does after its run.
+_STUCK_NODE = """
+import sys, time
+from torch.distributed.elastic.agent.server import api
+api.SimpleElasticAgent._record_worker_events = lambda self, result: time.sleep(3600)
+from torchring import _ssh_node
+_ssh_node.AGENT_GRACE_S = float(sys.argv[1])
+sys.exit(_ssh_node.node_main(sys.argv[2:]))
+"""
+
+_EXIT_BY_RANK = """
+import os, sys
+rank = int(os.environ["RANK"])
+open(os.path.join(sys.argv[1], f"pid{rank}"), "w").write(str(os.getpid()))
+sys.exit(5 if rank == 0 else 0)
+"""
+
+
+def test_a_node_whose_agent_does_not_return_after_a_rank_failed_ends_on_its_own(tmp_path: Path) -> None:
+    import socket
+    (tmp_path / "ranks.py").write_text(_EXIT_BY_RANK)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    grace = 3.0
+    argv = [sys.executable, "-c", _STUCK_NODE, str(grace), "--host=here", "--node-rank=0", "--nnodes=1",
+            "--nproc=2", "--master=127.0.0.1", f"--port={port}", "--job=stuck", "--",
+            str(tmp_path / "ranks.py"), str(tmp_path)]
+    lifeline, keep = os.pipe()  # the node's stdin stays open (it stops when its launcher's pipe closes)
+    start = time.monotonic()
+    with open(tmp_path / "out", "w+") as out_file, open(tmp_path / "err", "w+") as err_file:
+        proc = subprocess.Popen(argv, stdin=lifeline, stdout=out_file, stderr=err_file,
+                                env=dict(os.environ, TORCHRING_TIMEOUT="30"))
+        os.close(lifeline)
+        try:
+            proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            os.close(keep)
+    out, err = (tmp_path / "out").read_text(), (tmp_path / "err").read_text()
+    took = time.monotonic() - start
+    assert proc.returncode == 5, f"exit {proc.returncode} after {took:.1f} s\n{out}\n{err}"
+    assert "torchring-run: here: rank 0 failed first (exit code 5) and every rank here has exited, " \
+           "but torch's agent had not returned 3 s later" in err, err
+    assert sorted(p.name for p in tmp_path.glob("pid*")) == ["pid0", "pid1"]  # both ranks ran
+    assert took >= grace, took

@@ -41,8 +41,6 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Callable, Mapping, Sequence
 
-from ._settings import Settings
-
 __all__ = ["FORWARD_NAMES", "FORWARD_PREFIXES", "NOT_FORWARDED", "plan_hosts", "forwarded_env",
            "master_address", "node_argv", "remote_command", "ssh_argv", "launch", "launch_args"]
 
@@ -181,6 +179,15 @@ def _stop(nodes: list[_Node]) -> None:
                 node.proc.send_signal(signal.SIGKILL if waited > STOP_GRACE_S + 10 else signal.SIGTERM)
 
 
+def _timeout_s(environ: Mapping[str, str]) -> float:
+    """TORCHRING_TIMEOUT in seconds (the ranks check its form; 300, its default, if it has none)."""
+    try:
+        value = float(environ.get("TORCHRING_TIMEOUT", "").strip() or 300.0)
+    except ValueError:
+        return 300.0
+    return value if math.isfinite(value) and value > 0 else 300.0
+
+
 def _ssh_hint(host: str, code: int) -> str:
     """What to check when ssh to `host` failed with `code` (255: ssh's own error)."""
     return (f"torchring-run: ssh to {host} failed (exit code {code}, its message is above): if it never "
@@ -197,7 +204,7 @@ def launch(hosts: Sequence[tuple[str, int]], is_this_host: Callable[[str], bool]
     master, port = master_address(hosts[0][0], local[0]), free_port(local[0])
     job, env, cwd = f"{os.getpid():x}{random.getrandbits(32):08x}", forwarded_env(os.environ), os.getcwd()
     ssh = os.environ.get("TORCHRING_SSH") or None
-    alive_s = Settings.from_env(os.environ).timeout  # a host silent as long as the ranks wait is lost
+    alive_s = _timeout_s(os.environ)  # a host silent as long as the ranks would wait is lost
     nodes: list[_Node] = []
     stop_signal: list[int] = []
     previous = {s: signal.signal(s, lambda sig, _f: stop_signal.append(sig))

@@ -2,7 +2,12 @@
 or over ssh): torch's elastic agent with the static rendezvous (node rank = the host's place in
 -H), lines prefixed [host:global rank]: (torchring/_output.py), stopped when its stdin (the
 launcher's pipe) closes, exit code the first failing rank's (torchring.run's rule), not the 1
-of torchrun."""
+of torchrun.
+
+A safety net: once every local rank has exited and one failed, torch's agent has AGENT_GRACE_S to
+return; if it has not (stuck on a store whose host is unreachable, as torchrun's c10d rendezvous
+is: the static one returns in torch 2.13), the node kills what is left of its ranks' process
+groups and exits with the first failing rank's code itself."""
 
 from __future__ import annotations
 
@@ -11,16 +16,20 @@ import os
 import signal
 import sys
 import threading
-from typing import Mapping, Sequence
+import time
+from typing import Any, Mapping, Sequence
 
 import torch.distributed.run as torchrun
+from torch.distributed.elastic.agent.server import local_elastic_agent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from . import _build, _output, _threads, run
 from ._settings import Settings
 
-__all__ = ["node_main"]
+__all__ = ["node_main", "AGENT_GRACE_S"]
+
+AGENT_GRACE_S = 15.0  # after every local rank exited, one failed: then the node ends without the agent
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -60,6 +69,57 @@ def _watch_lifeline() -> None:
     threading.Thread(target=watch, daemon=True, name="torchring-lifeline").start()
 
 
+def _capture_rank_processes() -> list[Any]:
+    """The process contexts torch's local agent starts its ranks with, appended as it starts them."""
+    contexts: list[Any] = []
+    start = local_elastic_agent.start_processes
+
+    def start_and_keep(*args: Any, **kwargs: Any) -> Any:
+        context = start(*args, **kwargs)
+        contexts.append(context)
+        return context
+
+    local_elastic_agent.start_processes = start_and_keep
+    return contexts
+
+
+def _watch_ranks(contexts: list[Any], host: str, grace_s: float) -> None:
+    """Exits the node (first failing rank's code) when its ranks are all gone, one failed, and
+    torch's agent has not returned `grace_s` later; runs in a daemon thread."""
+    failed: dict[int, tuple[float, int]] = {}  # local rank -> (when seen, exit code)
+    all_gone: float | None = None  # when every local rank was first seen exited, one failed
+    while True:
+        time.sleep(0.2)
+        context = contexts[-1] if contexts else None
+        handlers = dict(getattr(context, "subprocess_handlers", None) or {})
+        if not handlers:
+            continue
+        codes = {local_rank: handler.proc.poll() for local_rank, handler in handlers.items()}
+        for local_rank, code in codes.items():
+            if code not in (None, 0) and local_rank not in failed:
+                failed[local_rank] = (time.monotonic(), code)
+        if None in codes.values() or not failed:
+            all_gone = None
+            continue
+        all_gone = all_gone or time.monotonic()
+        if time.monotonic() - all_gone < grace_s:
+            continue
+        first, (_, code) = min(failed.items(), key=lambda item: item[1][0])
+        rank = (getattr(context, "envs", None) or {}).get(first, {}).get("RANK", f"local {first}")
+        for handler in handlers.values():  # what the ranks left behind (their own process groups)
+            try:
+                os.killpg(handler.proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+        print(f"torchring-run: {host}: rank {rank} failed first ({how}) and every rank here has "
+              f"exited, but torch's agent had not returned {grace_s:.0f} s later (likely waiting on the "
+              "rendezvous store of an unreachable first host): this host's part ends here", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 - code if code < 0 else code)
+
+
 def _start_timeout(env: Mapping[str, str]) -> int:
     """Seconds the hosts' agents wait for each other: TORCHRING_TIMEOUT (--start-timeout), at
     least 120 (hosts start torch at different speeds), instead of the static rendezvous's 600."""
@@ -81,6 +141,9 @@ def node_main(argv: Sequence[str] | None = None) -> int:
     if threads:
         print(threads.replace("torchring-run:", f"torchring-run: {args.host}:", 1), file=sys.stderr)
     _build.load()
+    contexts = _capture_rank_processes()
+    threading.Thread(target=_watch_ranks, args=(contexts, args.host, AGENT_GRACE_S), daemon=True,
+                     name="torchring-rank-watch").start()
     try:
         _output.launch(torchrun.get_args_parser().parse_args(launch_args + command), output)
     except ChildFailedError as error:
