@@ -129,6 +129,8 @@ def test_sshd_the_store_and_launcher_host_losing_its_link_ends_every_node(ssh_ho
             f"the remote nodes' exit codes: {found}, expected their ranks' {RANK_CODE}\n{out}\n{err}"
         assert code == RANK_CODE, f"the launcher exited {code} within {LAUNCHER_END_S:.0f} s\n{out}\n{err}"
         assert f"trh0: rank 0 failed first (exit code {RANK_CODE})" in err, err
+        assert "the ssh connection to trh1, trh2 was lost (exit code 255)" in err, err
+        assert f"trh0's ranks failed first (exit code {RANK_CODE}); every other host's ranks were stopped" in err
     finally:
         if proc.poll() is None:
             proc.kill()

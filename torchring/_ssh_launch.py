@@ -238,14 +238,14 @@ def launch(hosts: Sequence[tuple[str, int]], is_this_host: Callable[[str], bool]
 
 def _supervise(nodes: list[_Node], local: list[bool], stop_signal: list[int]) -> int:
     """Waits for every node; on the first failure or a signal, stops the others. The exit code."""
-    first: tuple[str, int] | None = None
+    first: tuple[_Node, int, bool] | None = None  # the node, its exit code, whether it is this host's
     while True:
         running = False
         for node, here in zip(nodes, local):
             code = node.proc.poll()
             running |= code is None
             if code not in (None, 0) and first is None and node.stopped_at is None and not stop_signal:
-                first = (node.host, code)
+                first = (node, code, here)
                 if code == 255 and not here:
                     print(_ssh_hint(node.host, code), file=sys.stderr)
         if first is not None or stop_signal:
@@ -253,14 +253,24 @@ def _supervise(nodes: list[_Node], local: list[bool], stop_signal: list[int]) ->
         if not running:
             break
         time.sleep(0.05)
+    lost = [node.host for node, here in zip(nodes, local)
+            if not here and node.proc.returncode == 255 and (first is None or node is not first[0])]
+    stopped = "every host's ranks were stopped"
+    if lost:  # ssh's own error after the job ran: the connection died (keepalives unanswered)
+        print(f"torchring-run: the ssh connection to {', '.join(lost)} was lost (exit code 255): "
+              "the host or its network stopped answering, so its ranks could not be stopped from here "
+              "(they stop on their own once they lose a peer, within TORCHRING_TIMEOUT)", file=sys.stderr)
+        stopped = "every other host's ranks were stopped"
     if stop_signal:
-        print(f"torchring-run: stopped by signal {stop_signal[0]}; every host's ranks were stopped",
-              file=sys.stderr)
+        print(f"torchring-run: stopped by signal {stop_signal[0]}; {stopped}", file=sys.stderr)
         return 128 + stop_signal[0]
     if first is not None:
-        print(f"torchring-run: the job failed: {first[0]}'s ranks failed first (exit code {first[1]}); "
-              "every host's ranks were stopped; the output is above", file=sys.stderr)
-        return first[1]
+        node, code, here = first
+        what = f"the ssh connection to {node.host} failed first" if code == 255 and not here else \
+            f"{node.host}'s ranks failed first"
+        print(f"torchring-run: the job failed: {what} (exit code {code}); {stopped}; the output is above",
+              file=sys.stderr)
+        return code
     return 0
 
 
