@@ -73,10 +73,27 @@ def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
             if (name in FORWARD_NAMES or name.startswith(FORWARD_PREFIXES)) and name not in NOT_FORWARDED}
 
 
-def master_address(first_host: str, is_this_host: bool) -> str:
-    """The address the other hosts reach the first host's store at (its name; this host's if local)."""
+def _address_towards(host: str) -> str | None:
+    """This host's address on the route to `host` (no packet is sent); None if unknown or loopback."""
+    try:
+        target = socket.getaddrinfo(host, None, socket.AF_INET)[0][4][0]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((target, 9))
+            addr = str(probe.getsockname()[0])
+    except OSError:
+        return None
+    return None if addr.startswith("127.") else addr
+
+
+def master_address(first_host: str, is_this_host: bool, towards: str | None = None) -> str:
+    """The address the other hosts reach the first host's store at: its name, or when it is this
+    host, this host's address on the route to `towards` (another host of the job): a name of this
+    host may resolve to a loopback address here (Debian maps the hostname to 127.0.1.1)."""
     if not is_this_host:
         return first_host
+    routed = _address_towards(towards) if towards else None
+    if routed:
+        return routed
     loopback = first_host.lower() == "localhost" or first_host.startswith("127.") or first_host == "::1"
     return socket.gethostname() if loopback else first_host
 
@@ -135,20 +152,30 @@ _write_lock = threading.Lock()
 
 
 def _pump(source: IO[bytes], sink: IO[bytes]) -> None:
-    """Copies `source` to `sink` in whole lines (ended by \\n or \\r), so hosts never split a line."""
-    pending = b""
+    """Copies `source` to `sink` in whole lines (ended by \\n or \\r), so hosts never split a line;
+    once `sink` is gone (a reader such as `| head` quit) it keeps draining `source`, dropping the
+    rest, so that no node and no rank blocks on a full pipe."""
+    pending, broken = b"", False
+
+    def write(data: bytes) -> bool:
+        try:
+            with _write_lock:
+                sink.write(data)
+                sink.flush()
+            return False
+        except (OSError, ValueError):
+            return True
+
     while chunk := source.read1(65536):  # type: ignore[attr-defined]
+        if broken:
+            continue
         pending += chunk
         cut = max(pending.rfind(b"\n"), pending.rfind(b"\r")) + 1
         if cut:
-            with _write_lock:
-                sink.write(pending[:cut])
-                sink.flush()
+            broken = write(pending[:cut])
             pending = pending[cut:]
-    if pending:
-        with _write_lock:
-            sink.write(pending)
-            sink.flush()
+    if pending and not broken:
+        write(pending)
 
 
 def _start(host: str, argv: list[str]) -> _Node:
@@ -201,7 +228,8 @@ def launch(hosts: Sequence[tuple[str, int]], is_this_host: Callable[[str], bool]
            ssh_port: int | None = None, ssh_identity: str | None = None, verbose: bool = False) -> int:
     """Runs `command` (torchrun's script tail) on `hosts` [(host, ranks)]; the first failure's exit code."""
     local = [is_this_host(h) for h, _ in hosts]
-    master, port = master_address(hosts[0][0], local[0]), free_port(local[0])
+    remote = next((h for (h, _), here in zip(hosts, local) if not here), None)
+    master, port = master_address(hosts[0][0], local[0], remote), free_port(local[0])
     job, env, cwd = f"{os.getpid():x}{random.getrandbits(32):08x}", forwarded_env(os.environ), os.getcwd()
     ssh = os.environ.get("TORCHRING_SSH") or None
     alive_s = _timeout_s(os.environ)  # a host silent as long as the ranks would wait is lost

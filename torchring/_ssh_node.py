@@ -72,7 +72,9 @@ def _watch_lifeline() -> None:
 def _capture_rank_processes() -> list[Any]:
     """The process contexts torch's local agent starts its ranks with, appended as it starts them."""
     contexts: list[Any] = []
-    start = local_elastic_agent.start_processes
+    start = getattr(local_elastic_agent, "start_processes", None)
+    if start is None:  # another torch: no safety net, the agent's own exit stands
+        return contexts
 
     def start_and_keep(*args: Any, **kwargs: Any) -> Any:
         context = start(*args, **kwargs)

@@ -71,6 +71,17 @@ def test_the_store_lives_on_the_first_host_under_a_name_the_others_can_reach() -
     assert sl.master_address(socket.gethostname(), is_this_host=True) == socket.gethostname()
 
 
+def test_a_local_first_host_is_named_by_its_address_towards_the_others(monkeypatch) -> None:
+    # this host's name may resolve to a loopback address here (Debian: 127.0.1.1), which the other
+    # hosts cannot reach and which would bind the ranks' ring to loopback
+    monkeypatch.setattr(sl, "_address_towards", lambda host: {"node1": "198.18.5.1"}.get(host))
+    assert sl.master_address("localhost", is_this_host=True, towards="node1") == "198.18.5.1"
+    assert sl.master_address("node0", is_this_host=True, towards="node1") == "198.18.5.1"
+    assert sl.master_address("node0", is_this_host=False, towards="node1") == "node0"
+    monkeypatch.undo()
+    assert sl._address_towards("127.0.0.1") is None  # a loopback route names nothing reachable
+
+
 def test_the_node_reads_back_what_the_launcher_wrote() -> None:
     argv = sl.node_argv(host="h 1", node_rank=1, nnodes=3, nproc=2, master="h0", port=29511, job="j1",
                         monitor_interval=0.25, prefix=False, rank0_only=True,
