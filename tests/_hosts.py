@@ -16,7 +16,9 @@ Layout (every name starts with ``trt<test pid>-<n>``, so leftovers of a dead run
 - ``shared``: a directory visible at the same path to the test and to every host (the test's own
   ``/tmp`` is not: it is private per host). By default a fresh directory under ``/var/tmp``,
   removed at teardown; a caller's directory (e.g. pytest's ``tmp_path``) is bind-mounted into
-  each host at the same path and left in place. Every ``Host.shared`` names it.
+  each host at the same path and left in place. Every ``Host.shared`` names it. This checkout,
+  the interpreter's environment and ``TORCHRING_CACHE_DIR`` are bind-mounted back the same way
+  when they live under ``/tmp`` (a CI checkout may).
 
 Teardown (kill anchors, delete namespaces) runs however the block is left; at entry, namespaces
 left by test processes that no longer exist are deleted. Where namespaces cannot be made (not
@@ -32,6 +34,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from typing import Iterator
 
@@ -223,13 +226,27 @@ mount -t tmpfs -o mode=1777 tmpfs /tmp
 mount -t tmpfs -o mode=1777 tmpfs /dev/shm
 mount --bind "$2/hosts" /etc/hosts
 mount --bind "$2/resolv.conf" /etc/resolv.conf
-case "$3" in
-  /tmp/*) mkdir -p "$3"; mount --bind "$2/oldtmp/${3#/tmp/}" "$3" ;;
-esac
-umount -l "$2/oldtmp"
+host="$1"; dir="$2"; shift 2
+for keep in "$@"; do  # the shared directory, the checkout, the interpreter, the engine cache
+  case "$keep" in
+    /tmp/*) mkdir -p "$keep"; mount --bind "$dir/oldtmp/${keep#/tmp/}" "$keep" ;;
+  esac
+done
+umount -l "$dir/oldtmp"
 echo ready
 exec sleep infinity
 """
+
+
+def _kept_visible(shared: str) -> list[str]:
+    """Paths every host must see although its /tmp is private (those under /tmp are bind-mounted
+    back): the shared directory, this checkout, the interpreter's environment and the engine's
+    build cache (a CI checkout or TORCHRING_CACHE_DIR may well live under /tmp), parents first."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = {shared, repo, sys.prefix, os.path.realpath(sys.prefix)}
+    if os.environ.get("TORCHRING_CACHE_DIR"):
+        paths.add(os.path.abspath(os.environ["TORCHRING_CACHE_DIR"]))
+    return sorted((p for p in paths if os.path.isdir(p)), key=len)
 
 
 @contextlib.contextmanager
@@ -289,7 +306,7 @@ def hosts(n: int, rate: str | None = None, shared: str | None = None) -> Iterato
                     ["ip", "netns", "exec", f"{tag}-h{i}", "unshare", "--uts", "--ipc", "--pid",
                      "--mount", "--fork", "--kill-child=SIGKILL", "--mount-proc",
                      "--propagation", "private",
-                     "sh", "-c", _ANCHOR, "anchor", names[i], hdir, shared],
+                     "sh", "-c", _ANCHOR, "anchor", names[i], hdir, *_kept_visible(shared)],
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                     text=True, start_new_session=True, preexec_fn=_die_with_parent)
                 anchors.append(anchor)

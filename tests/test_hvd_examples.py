@@ -31,7 +31,7 @@ def test_the_example_trains_on_two_ranks(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    epochs = re.findall(r"\[default(\d)\]:epoch (\d): train loss ([\d.]+), test loss ([\d.]+), "
+    epochs = re.findall(r"\[(\d)\]: epoch (\d): train loss ([\d.]+), test loss ([\d.]+), "
                         r"test accuracy ([\d.]+)%", out)
     assert [(rank, int(epoch)) for rank, epoch, *_ in epochs] == [("0", 1), ("0", 2), ("0", 3)], out
     train, test = [float(e[2]) for e in epochs], [float(e[3]) for e in epochs]

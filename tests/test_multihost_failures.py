@@ -175,11 +175,12 @@ def test_store_host_link_down_names_lost_host() -> None:
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "torchrun (torch 2.13): with its store's host unreachable, the agent of a surviving host "
+    "torchrun (torch 2.13 and 2.14): with its store's host unreachable, the agent of a surviving host "
     "stays in DynamicRendezvousHandler.num_nodes_waiting() -> C10dRendezvousBackend.get_state "
     "(still there 240 s after the fault; 200 s with --rdzv-conf=read_timeout=10) although its "
     "rank exited 1; "
-    "torchring cannot end it (torchring-run -H must stop such agents itself)"))
+    "torchring cannot end it (torchring-run -H, on the static rendezvous, does not have it: "
+    "tests/test_launch_ssh_failures.py)"))
 def test_store_host_link_down_launchers_exit() -> None:
     """The launchers off host 0 exit non-zero within STORE_LAUNCHER_S of the fault."""
     _, launchers, logs = _store_host_outcome()
