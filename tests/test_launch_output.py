@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from torchring import _threads
+from torchring import _env, _threads
 
 # rank 0 draws a bar on stderr the way tqdm does; each rank prints lines on stdout
 _SCRIPT = r"""
@@ -61,13 +61,13 @@ def _launch(tmp_path: Path, *flags: str, env: dict[str, str] | None = None, tty:
 
 
 def _threads_line(ranks: int) -> str:
-    return f"OMP_NUM_THREADS={_threads.threads_per_rank(ranks, _threads.usable_cpus())} for each of the {ranks}"
+    return f"OMP_NUM_THREADS={_threads.threads_per_rank(ranks, _env.available_cpus())} for each of the {ranks}"
 
 
 def test_log_file_every_line_and_redraw_prefixed(tmp_path: Path) -> None:
     code, out = _launch(tmp_path)
     assert code == 0, out
-    threads = _threads.threads_per_rank(2, _threads.usable_cpus())
+    threads = _threads.threads_per_rank(2, _env.available_cpus())
     assert b"\r[0]: bar 0/3\r[0]: bar 1/3\r[0]: bar 2/3\r[0]: bar 3/3\r" in out, out
     for rank in (0, 1):
         assert f"[{rank}]: hello from {rank} threads={threads}\n".encode() in out, out

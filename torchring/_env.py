@@ -35,7 +35,7 @@ def available_cpus() -> int:
     """CPUs this process may run on (its affinity mask, which a launcher or cgroup may narrow)."""
     try:
         return len(os.sched_getaffinity(0))
-    except AttributeError:
+    except (AttributeError, OSError):
         return os.cpu_count() or 1
 
 

@@ -41,6 +41,8 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Callable, Mapping, Sequence
 
+from ._settings import Settings
+
 __all__ = ["FORWARD_NAMES", "FORWARD_PREFIXES", "NOT_FORWARDED", "plan_hosts", "forwarded_env",
            "master_address", "node_argv", "remote_command", "ssh_argv", "launch", "launch_args"]
 
@@ -207,12 +209,12 @@ def _stop(nodes: list[_Node]) -> None:
 
 
 def _timeout_s(environ: Mapping[str, str]) -> float:
-    """TORCHRING_TIMEOUT in seconds (the ranks check its form; 300, its default, if it has none)."""
+    """TORCHRING_TIMEOUT in seconds as the ranks read it (its default when malformed: the ranks
+    then say what is wrong with it)."""
     try:
-        value = float(environ.get("TORCHRING_TIMEOUT", "").strip() or 300.0)
+        return Settings.from_env({"TORCHRING_TIMEOUT": environ.get("TORCHRING_TIMEOUT", "")}).timeout
     except ValueError:
-        return 300.0
-    return value if math.isfinite(value) and value > 0 else 300.0
+        return Settings().timeout
 
 
 def _ssh_hint(host: str, code: int) -> str:

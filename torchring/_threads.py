@@ -4,17 +4,9 @@ the host's ranks, at least 1 each. torchrun instead sets 1 and prints a banner a
 
 from __future__ import annotations
 
-import os
+from . import _env
 
-__all__ = ["usable_cpus", "threads_per_rank", "set_rank_threads"]
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity mask; os.cpu_count() where there is none)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+__all__ = ["threads_per_rank", "set_rank_threads"]
 
 
 def threads_per_rank(ranks: int, cpus: int) -> int:
@@ -27,7 +19,7 @@ def set_rank_threads(env: dict[str, str], ranks: int) -> str | None:
     returns the one line that says so (None when the user's value stays)."""
     if env.get("OMP_NUM_THREADS"):
         return None
-    cpus = usable_cpus()
+    cpus = _env.available_cpus()
     threads = threads_per_rank(ranks, cpus)
     env["OMP_NUM_THREADS"] = str(threads)
     return (f"torchring-run: OMP_NUM_THREADS={threads} for each of the {ranks} ranks on this host "

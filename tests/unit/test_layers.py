@@ -11,8 +11,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "torchring"
 # Lowest first. A module may import from lower layers only (within torchring.data and
 # torchring.horovod, from its own sub-package too). A new module belongs in this table.
 LAYERS = [
-    {"_errors", "_env", "_settings", "_log", "_types", "_threads", "_output", "_ssh_launch"},
-    {"_build", "_gpu_path", "_rendezvous"},
+    {"_errors", "_env", "_settings", "_log", "_types", "_output"},
+    {"_build", "_gpu_path", "_rendezvous", "_threads", "_ssh_launch"},
     {"_context", "cuda", "build", "c10d"},
     {"_groups", "run"},
     {"_ssh_node"},

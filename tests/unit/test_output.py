@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from torchring import _output, _threads
+from torchring import _env, _output, _threads
 
 P = b"[0]: "
 
@@ -69,5 +69,5 @@ def test_threads_leave_a_users_value_alone() -> None:
     assert _threads.set_rank_threads(env, 2) is None and env == {"OMP_NUM_THREADS": "3"}
     env = {}
     line = _threads.set_rank_threads(env, 2)
-    want = str(_threads.threads_per_rank(2, _threads.usable_cpus()))
+    want = str(_threads.threads_per_rank(2, _env.available_cpus()))
     assert env["OMP_NUM_THREADS"] == want and line and f"OMP_NUM_THREADS={want}" in line
