@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from dataclasses import dataclass
 
 DEFAULT_PORT = 29500
@@ -37,6 +38,13 @@ def available_cpus() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def source_address(host: str) -> str:
+    """This host's address on the route to `host` (an IPv4 address or a name; no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))
+        return str(probe.getsockname()[0])
 
 
 def _int(env: dict, name: str) -> int | None:

@@ -77,28 +77,28 @@ def hosts_of(store: dist.Store, prefix: str, rank: int, world: int, host: str, t
             for r in range(world)]
 
 
+def _ipv4_of(host: str) -> str:
+    """`host`'s IPv4 address, or `host` itself when it does not resolve."""
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return host
+
+
 def route_addr(master_addr: str, override: str | None) -> str:
     """The local address on the route to the store's host (what peers can connect to)."""
     if override:
         return override
-    try:
-        target = socket.gethostbyname(master_addr)
-    except OSError:
-        target = master_addr
+    target = _ipv4_of(master_addr)
     if target.startswith("127."):
         return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((target, 9))
-        return probe.getsockname()[0]
+    return _env.source_address(target)
 
 
 def store_where(master_addr: str, infos: list[dict]) -> str:
     """How failure messages name the store when it does not answer: its host, its address and the
     ranks that run there (those whose route address to it is its own address)."""
-    try:
-        target = socket.gethostbyname(master_addr)
-    except OSError:
-        target = master_addr
+    target = _ipv4_of(master_addr)
     there = [r for r, info in enumerate(infos) if info.get("addr") == target]
     if not there:
         return f"the rendezvous store on {master_addr}"

@@ -41,6 +41,7 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Callable, Mapping, Sequence
 
+from . import _env
 from ._settings import Settings
 
 __all__ = ["FORWARD_NAMES", "FORWARD_PREFIXES", "NOT_FORWARDED", "plan_hosts", "forwarded_env",
@@ -78,10 +79,7 @@ def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
 def _address_towards(host: str) -> str | None:
     """This host's address on the route to `host` (no packet is sent); None if unknown or loopback."""
     try:
-        target = socket.getaddrinfo(host, None, socket.AF_INET)[0][4][0]
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((target, 9))
-            addr = str(probe.getsockname()[0])
+        addr = _env.source_address(host)
     except OSError:
         return None
     return None if addr.startswith("127.") else addr
