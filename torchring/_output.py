@@ -26,7 +26,7 @@ import torch.distributed.run as torchrun
 from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, LogsDest, Std
 from torch.distributed.launcher.api import elastic_launch
 
-__all__ = ["prefix_chunk", "rank_label", "RankOutput", "launch"]
+__all__ = ["prefix_chunk", "rank_label", "Console", "RankOutput", "launch"]
 
 _POLL_S = 0.05
 
@@ -67,10 +67,11 @@ def rank_label(env: dict[str, str]) -> str:
     return f"[{env.get('RANK', '?')}]: "
 
 
-class _Console:
+class Console:
     """One destination (the launcher's stdout or stderr, or both when they are the same
-    file): it remembers which rank stream left its current line unfinished, and starts a new
-    line before another stream writes, so two ranks' text never share a line."""
+    file) that drops what it is given once its reader is gone (`| head` quit), so no rank
+    blocks on a full pipe. Its `owner` is the rank stream that left the current line
+    unfinished: another stream starts a new line first, so two ranks' text never share a line."""
 
     def __init__(self, out: BinaryIO) -> None:
         self.out = out
@@ -97,7 +98,7 @@ class _Console:
 class _Stream:
     """One rank's output pipe (stdout, stderr, or both), and where it goes."""
 
-    def __init__(self, path: str, prefix: bytes, console: _Console) -> None:
+    def __init__(self, path: str, prefix: bytes, console: Console) -> None:
         os.mkfifo(path)
         # opened before torch's agent opens it to write, so that open does not block
         self.fd: int | None = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
@@ -203,17 +204,17 @@ class RankOutput(DefaultLogsSpecs):
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def _consoles() -> tuple[_Console, _Console]:
+def _consoles() -> tuple[Console, Console]:
     """The launcher's stdout and stderr as consoles; one shared console if they are the
     same file (a terminal, or 2>&1 into a log)."""
     sys.stdout.flush()
     sys.stderr.flush()
-    out = _Console(sys.stdout.buffer)
+    out = Console(sys.stdout.buffer)
     try:
         same = os.path.samestat(os.fstat(sys.stdout.fileno()), os.fstat(sys.stderr.fileno()))
     except (OSError, ValueError, AttributeError):
         same = False
-    return out, (out if same else _Console(sys.stderr.buffer))
+    return out, (out if same else Console(sys.stderr.buffer))
 
 
 def launch(args: argparse.Namespace, output: RankOutput | None) -> None:

@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Callable, Mapping, Sequence
 
-from . import _env
+from . import _env, _output
 from ._settings import Settings
 
 __all__ = ["FORWARD_NAMES", "FORWARD_PREFIXES", "NOT_FORWARDED", "plan_hosts", "forwarded_env",
@@ -155,26 +155,22 @@ def _pump(source: IO[bytes], sink: IO[bytes]) -> None:
     """Copies `source` to `sink` in whole lines (ended by \\n or \\r), so hosts never split a line;
     once `sink` is gone (a reader such as `| head` quit) it keeps draining `source`, dropping the
     rest, so that no node and no rank blocks on a full pipe."""
-    pending, broken = b"", False
+    pending, console = b"", _output.Console(sink)
 
-    def write(data: bytes) -> bool:
-        try:
-            with _write_lock:
-                sink.write(data)
-                sink.flush()
-            return False
-        except (OSError, ValueError):
-            return True
+    def write(data: bytes) -> None:
+        with _write_lock:
+            console.write(data)
+            console.flush()
 
     while chunk := source.read1(65536):  # type: ignore[attr-defined]
-        if broken:
+        if console.broken:
             continue
         pending += chunk
         cut = max(pending.rfind(b"\n"), pending.rfind(b"\r")) + 1
         if cut:
-            broken = write(pending[:cut])
+            write(pending[:cut])
             pending = pending[cut:]
-    if pending and not broken:
+    if pending:
         write(pending)
 
 
