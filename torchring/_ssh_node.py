@@ -137,8 +137,7 @@ def node_main(argv: Sequence[str] | None = None) -> int:
                    "--rdzv-backend=static", f"--master-addr={args.master}", f"--master-port={args.port}",
                    f"--rdzv-id={args.job}", "--max-restarts=0", f"--monitor-interval={args.monitor_interval}",
                    f"--rdzv-conf=timeout={_start_timeout(os.environ)}"]
-    output = None if args.no_prefix and not args.rank0_only else \
-        _output.RankOutput(label=lambda env: f"[{args.host}:{env.get('RANK', '?')}]: ", only_rank0=args.rank0_only)
+    output = run._rank_output(args, label=lambda env: f"[{args.host}:{env.get('RANK', '?')}]: ")
     threads = _threads.set_rank_threads(os.environ, args.nproc)
     if threads:
         print(threads.replace("torchring-run:", f"torchring-run: {args.host}:", 1), file=sys.stderr)

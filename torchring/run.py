@@ -36,7 +36,7 @@ import socket
 import sys
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed.run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -238,12 +238,13 @@ def torchrun_args(args: argparse.Namespace) -> list[str]:
     return out + _command(args.script, list(args.script_args))  # output: _rank_output(args)
 
 
-def _rank_output(args: argparse.Namespace) -> _output.RankOutput | None:
+def _rank_output(args: argparse.Namespace,
+                 label: Callable[[dict[str, str]], str] = _output.rank_label) -> _output.RankOutput | None:
     """Who shows the ranks' output: None (--no-prefix: the ranks write to this terminal
-    directly), rank 0 alone unprefixed (--rank0-only), or every rank prefixed."""
+    directly), rank 0 alone unprefixed (--rank0-only), or every rank prefixed with `label`."""
     if args.no_prefix and not args.rank0_only:
         return None
-    return _output.RankOutput(only_rank0=args.rank0_only)
+    return _output.RankOutput(label=label, only_rank0=args.rank0_only)
 
 
 def _resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
