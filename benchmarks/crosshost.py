@@ -48,21 +48,13 @@ sys.path[:0] = [_HERE, _ROOT, os.path.join(_ROOT, "tests")]
 
 import torch  # noqa: E402
 
-from allreduce import DTYPES, fmt_size, machine_info, parse_size  # noqa: E402
+from allreduce import DTYPES, _max_over_ranks, fmt_size, machine_info, parse_size  # noqa: E402
 
 LIBS = ("torchring", "gloo")
 PORT = 29500  # rank 0's store, inside host 0's own network namespace
 
 
 # ---------------------------------------------------------------- one rank (runs in a test host)
-
-def _max_over_ranks(values: list[float]) -> list[float]:
-    import torch.distributed as dist
-
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
 
 def _check(allreduce: Any, rank: int, world: int, count: int, dtype: torch.dtype) -> int:
     """Elements of an integer-valued allreduce that differ from the analytic sum, over all ranks."""
