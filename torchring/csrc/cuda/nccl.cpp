@@ -52,7 +52,7 @@ std::string describe(const std::shared_ptr<CpuWork>& check, const at::Tensor& t,
   header.root = root;
   header.setShape(t.sizes().data(), static_cast<int>(t.dim()));
   std::ostringstream out;
-  out << header.label() << " " << header.describe() << " on " << t.device();
+  out << header.what() << " on " << t.device();
   return out.str();
 }
 
