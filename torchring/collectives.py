@@ -29,7 +29,7 @@ import torch
 
 from . import _context, _gpu_path
 from ._groups import GroupBase, Target, target
-from ._types import DTYPES, FLOATS, Handle, OpKind, ReduceOp, describe, dtype_name, profiled
+from ._types import DTYPES, FLOATS, Handle, OpKind, ReduceOp, _profiler_on, describe, dtype_name, profiled
 
 __all__ = [
     "ReduceOp", "Handle", "allreduce", "allreduce_async", "broadcast", "broadcast_async",
@@ -220,12 +220,28 @@ def allreduce_async(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, prescale_
     return _allreduce(tensor, op, prescale_factor, postscale_factor, group, "allreduce_async", False)
 
 
-@profiled
+def _allreduce_checked(tensor: torch.Tensor, op: ReduceOp, prescale: float, postscale: float,
+                       group: GroupBase | None) -> torch.Tensor:
+    """allreduce through the Python checks (what the engine's fast path does not take)."""
+    return _allreduce(tensor, op, prescale, postscale, group, "allreduce", True).wait()
+
+
+_allreduce_checked = profiled(_allreduce_checked, "allreduce")
+
+
 def allreduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, prescale_factor: float = 1.0,
               postscale_factor: float = 1.0, group: GroupBase | None = None) -> torch.Tensor:
     """Reduces `tensor` across ranks in place (each input times prescale_factor, the result
     times postscale_factor) and returns it."""
-    return _allreduce(tensor, op, prescale_factor, postscale_factor, group, "allreduce", True).wait()
+    # The common call (world, no scaling, no profiler) goes straight to the engine, which
+    # checks the tensor and op as _check_tensor/_check_op do and declines anything they would
+    # refuse; the checked path then words the error.
+    state = _context._state
+    if (state is not None and group is None and type(op) is ReduceOp and type(prescale_factor) is float
+            and type(postscale_factor) is float and prescale_factor == 1.0 and postscale_factor == 1.0
+            and not _profiler_on() and state.comm.allreduce_now(tensor, op)):
+        return tensor
+    return _allreduce_checked(tensor, op, prescale_factor, postscale_factor, group)
 
 
 def _broadcast(tensor: torch.Tensor, src: int, group: GroupBase | None, what: str,

@@ -2,7 +2,8 @@
 tests/test_mismatch.py's MISMATCHES, on shared memory, TCP and both, with the odd rank first,
 in the middle or last, on the chunked path with 4 KiB segments. Each mismatch must fail on
 every rank with CollectiveMismatchError naming exactly rank 0's call and the first differing
-rank's call, and must be followed by exact multi-segment collectives: a staged and a zero-copy
+rank's call, and must be followed by exact collectives: a one-segment allreduce (on one host,
+its data travels with its header), then multi-segment ones: a staged and a zero-copy
 (arena) allreduce, a broadcast from the last rank, an uneven allgather and a reduce_scatter.
 Then the same with async handles: the mismatched ones queued first, the follow-ups queued
 behind them, all waited in order."""
@@ -44,9 +45,13 @@ class Followup(NamedTuple):
 def _followups(rank: int, world: int, comm: Any) -> list[Followup]:
     """The collectives run after every mismatch; each spans several segments."""
     f32 = torch.float32
-    n = 3 * SEG + 5
-    out = [Followup(f"allreduce float32[{n}]", OpKind.ALLREDUCE, rank_input(rank, world, n, f32),
+    # One segment: on one host the header exchange carries the data (one synchronization).
+    n = SEG // 2 + 3
+    out = [Followup(f"one-sync allreduce float32[{n}]", OpKind.ALLREDUCE, rank_input(rank, world, n, f32),
                     ReduceOp.SUM, -1, expected_allreduce(world, n, f32, "SUM"), False)]
+    n = 3 * SEG + 5
+    out.append(Followup(f"allreduce float32[{n}]", OpKind.ALLREDUCE, rank_input(rank, world, n, f32),
+                        ReduceOp.SUM, -1, expected_allreduce(world, n, f32, "SUM"), False))
     # Zero-copy: in this rank's shared-memory arena, plain memory for a rank with no local peer.
     n = 3 * SEG + 3
     shared = comm.empty_shared([n], torch.int32)

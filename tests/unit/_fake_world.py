@@ -43,6 +43,10 @@ class FakeComm:
         self.calls.append((OpKind(kind), t, op, root, inline, kw))
         return FakeWork(self.respond(OpKind(kind), t, kw), len(self.calls))
 
+    def allreduce_now(self, t: Any, op: int) -> bool:
+        """The engine's allreduce fast path, declining: every call is recorded as a submit."""
+        return False
+
     def send(self, t: torch.Tensor, peer: int, tag: int) -> FakeWork:
         self.calls.append(("send", t, peer, tag))
         return FakeWork(None)

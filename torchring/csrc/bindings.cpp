@@ -190,6 +190,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                      "shared-memory staging segment per rank (two per rank)")
       .def_readwrite("arena_bytes", &CommOptions::arenaBytes,
                      "virtual size of this rank's shared-memory arena; 0 for none")
+      .def_readwrite("spin_auto", &CommOptions::spinAuto,
+                     "spin_iters is the default: shared memory picks its own from the CPU sets")
       .def_readwrite("spin_iters", &CommOptions::spinIters,
                      "busy-wait iterations before a waiting rank sleeps")
       .def_readwrite("secret", &CommOptions::secret, "per-job token every TCP handshake presents")
@@ -279,6 +281,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("out") = py::none(), py::arg("tensors") = std::vector<at::Tensor>(), py::arg("prescale") = 1.0,
           py::arg("postscale") = 1.0, py::arg("send_splits") = py::none(), py::arg("recv_splits") = py::none(),
           py::arg("recv_splits_known") = false)
+      .def(
+          "allreduce_now",
+          [](Communicator& c, py::handle tensor, int op) {
+            if (!THPVariable_Check(tensor.ptr())) return false;
+            const at::Tensor& t = THPVariable_Unpack(tensor.ptr());
+            py::gil_scoped_release release;
+            return c.allreduceNow(t, op);
+          },
+          py::arg("tensor"), py::arg("op"))
       .def("send", &Communicator::send, py::arg("tensor"), py::arg("peer"), py::arg("tag"),
            py::call_guard<py::gil_scoped_release>())
       .def("recv", &Communicator::recv, py::arg("tensor"), py::arg("peer"), py::arg("tag"),

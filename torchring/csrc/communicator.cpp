@@ -76,6 +76,7 @@ Communicator::Communicator(CommOptions options)
     so.arenaBytes = opt_.arenaBytes;
     so.timeoutSec = opt_.timeoutSec;
     so.spinIters = opt_.spinIters;
+    so.spinAuto = opt_.spinAuto;
     shm_ = std::make_unique<ShmGroup>(so);
   }
   if (numHosts() > 1 && isLeader()) {
@@ -299,6 +300,29 @@ std::shared_ptr<CpuWork> Communicator::submit(OpKind kind, at::Tensor tensor, Re
   return enqueue(std::move(item), runInline);
 }
 
+// The Python checks of allreduce (collectives.py _check_tensor, _check_op), in C++.
+static bool plainAllreduceArgs(const at::Tensor& t, int op) {
+  if (!t.defined() || t.layout() != at::kStrided || !t.device().is_cpu() || !t.is_contiguous()) return false;
+  if (op < 0 || op >= kNumReduceOps) return false;
+  const auto rop = static_cast<ReduceOp>(op);
+  switch (t.scalar_type()) {
+    case at::kFloat: case at::kDouble: case at::kHalf: case at::kBFloat16:
+      return true;
+    case at::kChar: case at::kByte: case at::kInt: case at::kLong: case at::kShort:
+      return rop != ReduceOp::AVG;
+    case at::kBool:
+      return rop == ReduceOp::MIN || rop == ReduceOp::MAX;
+    default:
+      return false;
+  }
+}
+
+bool Communicator::allreduceNow(const at::Tensor& tensor, int op) {
+  if (!plainAllreduceArgs(tensor, op) || forkGeneration() != forkGeneration_) return false;
+  submit(OpKind::ALLREDUCE, tensor, static_cast<ReduceOp>(op), -1, true)->wait(0);
+  return true;
+}
+
 std::shared_ptr<CpuWork> Communicator::send(at::Tensor tensor, int peer, int64_t tag) {
   checkPeer(tensor, peer, tag, "send");
   const auto* data = static_cast<const char*>(tensor.data_ptr());
@@ -372,7 +396,7 @@ std::shared_ptr<CpuWork> Communicator::enqueue(Op item, bool runInline) {
     return work;
   }
   if (runInline && queue_.empty() && !busy_) {
-    runExclusive(item, lock);
+    runExclusive(item, lock, false);
     return work;
   }
   queue_.push_back(std::move(item));
@@ -388,17 +412,21 @@ void Communicator::workerLoop() {
     if (stopping_) return;
     Op op = std::move(queue_.front());
     queue_.pop_front();
-    runExclusive(op, lock);
+    runExclusive(op, lock, true);
   }
 }
 
-void Communicator::runExclusive(Op& op, std::unique_lock<std::mutex>& lock) {
+void Communicator::runExclusive(Op& op, std::unique_lock<std::mutex>& lock, bool onWorker) {
   busy_ = true;
   lock.unlock();
+  if (shm_) shm_->setOnProgressThread(onWorker);
   execute(op);
   lock.lock();
   busy_ = false;
-  cv_.notify_all();  // shutdown() may wait for busy_ to clear; the worker for a free slot
+  // shutdown() may wait for busy_ to clear, the worker for a free slot when work is queued.
+  // Only then: waking the idle worker after every inline call would cost each call a
+  // context switch on the caller's core.
+  if (stopping_ || !queue_.empty()) cv_.notify_all();
 }
 
 std::string Communicator::failedMessage(const OpHeader& header) const {
@@ -460,9 +488,9 @@ at::Tensor Communicator::run(Op& op) {
   const OpHeader& header = op.header;
   if (shm_) shm_->setCurrent(header);
   if (tcp_) {
-    tcp_->setWhat(header.what());
+    tcp_->setOp(header);
   }
-  std::vector<OpHeader> headers = exchangeHeaders(header);
+  std::vector<OpHeader> headers = exchangeHeaders(header, op.tensor);
   checkHeaders(headers);
   if (header.onGpu) {  // NCCL moves this operation's data
     if (shm_) shm_->markDone(header.seq);
@@ -512,10 +540,16 @@ at::Tensor Communicator::run(Op& op) {
 }
 
 // Every rank learns every rank's header: within a host through shared memory, between
-// hosts by a ring allgather among the leaders, who then publish the full table locally.
-std::vector<OpHeader> Communicator::exchangeHeaders(const OpHeader& header) {
+// hosts by a ring allgather among the leaders, who then publish the full table locally. On
+// one host a small allreduce stages `tensor`'s data with its header (one synchronization
+// for both, ShmGroup::fitsOneSync).
+std::vector<OpHeader> Communicator::exchangeHeaders(const OpHeader& header, const at::Tensor& tensor) {
   std::vector<OpHeader> all(opt_.size);
   all[opt_.rank] = header;
+  if (shm_ && numHosts() == 1 && tensor.defined() && shm_->fitsOneSync(header)) {
+    shm_->exchangeHeadersWithData(header, static_cast<const char*>(tensor.data_ptr()), all);
+    return all;
+  }
   if (shm_) shm_->exchangeHeaders(header, all);
   if (numHosts() == 1) return all;
   if (isLeader()) {

@@ -42,6 +42,9 @@ struct CommOptions {
   size_t arenaBytes = 0;
   // Busy-wait iterations before a waiting rank sleeps on a futex.
   int spinIters = 20000;
+  // True when spinIters is the default rather than the user's (TORCHRING_SPIN): shared memory
+  // then picks its own from the local ranks' CPU sets (ShmOptions::spinAuto).
+  bool spinAuto = false;
   // Internal, for tests: the largest staged shared-memory allreduce that runs one-shot
   // (every rank reduces all of it). Tests set it to 0 to reach the chunked path with small
   // tensors, as segmentBytes (at least a page) reaches the multi-segment paths.
@@ -96,6 +99,12 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // it on the calling thread (no hand-off latency) and the handle is complete on return.
   std::shared_ptr<CpuWork> submit(OpKind kind, at::Tensor tensor, ReduceOp op, int root,
                                bool runInline, OpArgs args = {});
+  // torchring.allreduce's fast path: when `tensor` and `op` are what the Python API's checks
+  // would pass unchanged (a contiguous CPU tensor of a supported dtype, an op valid for it)
+  // and this is the process that made the communicator, runs the allreduce as submit(...,
+  // runInline = true) and waits for it, then returns true; else returns false and does
+  // nothing, and the caller takes the checked path, which words the error.
+  bool allreduceNow(const at::Tensor& tensor, int op);
   // Point-to-point (p2p.h): not part of the ordered queue; ranks and tags as the caller gives.
   std::shared_ptr<CpuWork> send(at::Tensor tensor, int peer, int64_t tag);
   std::shared_ptr<CpuWork> recv(at::Tensor tensor, int peer, int64_t tag);
@@ -133,11 +142,11 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   std::shared_ptr<CpuWork> enqueue(Op item, bool runInline);
   void workerLoop();
   // Runs `op` with busy_ set (the one operation in flight); `lock` holds mutex_ on entry and
-  // on return, and is released while the operation runs.
-  void runExclusive(Op& op, std::unique_lock<std::mutex>& lock);
+  // on return, and is released while the operation runs. onWorker: on the progress thread.
+  void runExclusive(Op& op, std::unique_lock<std::mutex>& lock, bool onWorker);
   void execute(Op& op);
   at::Tensor run(Op& op);
-  std::vector<OpHeader> exchangeHeaders(const OpHeader& header);
+  std::vector<OpHeader> exchangeHeaders(const OpHeader& header, const at::Tensor& tensor = at::Tensor());
   void checkHeaders(const std::vector<OpHeader>& headers) const;
   void allreduce(char* data, const OpHeader& header, const std::vector<OpHeader>& headers);
   void broadcast(char* data, size_t bytes, int root);

@@ -42,50 +42,51 @@ void Communicator::waitAll(const std::vector<std::shared_ptr<CpuWork>>& works) {
 // directly too (tests), so it checks again. TORCH_CHECK_VALUE raises ValueError.
 void Communicator::checkArgs(OpKind kind, const at::Tensor& tensor, ReduceOp op, int root,
                              const OpArgs& args) const {
-  const std::string what = rankText() + ": " + kindName(kind);
+  // The words of a failure, made only when a check fails (every call passes through here).
+  auto what = [&] { return rankText() + ": " + kindName(kind); };
   if (kind == OpKind::ALLREDUCE_MANY) {
-    TORCH_CHECK_VALUE(!args.tensors.empty(), what, " needs at least one tensor");
+    TORCH_CHECK_VALUE(!args.tensors.empty(), what(), " needs at least one tensor");
     for (const auto& t : args.tensors) {
-      TORCH_CHECK_VALUE(t.defined() && t.device().is_cpu() && t.is_contiguous(), what,
+      TORCH_CHECK_VALUE(t.defined() && t.device().is_cpu() && t.is_contiguous(), what(),
                         " needs contiguous CPU tensors");
-      TORCH_CHECK_VALUE(t.scalar_type() == args.tensors[0].scalar_type(), what, ": every tensor must have the dtype ",
+      TORCH_CHECK_VALUE(t.scalar_type() == args.tensors[0].scalar_type(), what(), ": every tensor must have the dtype ",
                         tensorText(args.tensors[0]), " has, got ", tensorText(t));
     }
   } else {
-    TORCH_CHECK_VALUE(kind == OpKind::BARRIER || tensor.defined(), what, " needs a tensor");
-    TORCH_CHECK_VALUE(!tensor.defined() || (tensor.device().is_cpu() && tensor.is_contiguous()), what,
+    TORCH_CHECK_VALUE(kind == OpKind::BARRIER || tensor.defined(), what(), " needs a tensor");
+    TORCH_CHECK_VALUE(!tensor.defined() || (tensor.device().is_cpu() && tensor.is_contiguous()), what(),
                       " needs a contiguous CPU tensor, got ", tensorText(tensor), " on ", tensor.device());
   }
   const bool reducing = kind == OpKind::ALLREDUCE || kind == OpKind::REDUCE || kind == OpKind::REDUCE_SCATTER ||
                         kind == OpKind::ALLREDUCE_MANY;
   if (reducing && op == ReduceOp::AVG) {
     const at::Tensor& t = kind == OpKind::ALLREDUCE_MANY ? args.tensors[0] : tensor;
-    TORCH_CHECK_VALUE(isFloating(t.scalar_type()), what, " of ", tensorText(t),
+    TORCH_CHECK_VALUE(isFloating(t.scalar_type()), what(), " of ", tensorText(t),
                       ": AVG needs a floating-point tensor (an integer average would be rounded); "
                       "use SUM and divide, or convert to float");
   }
   const bool rooted = kind == OpKind::BROADCAST || kind == OpKind::REDUCE || kind == OpKind::GATHER ||
                       kind == OpKind::SCATTER;
-  TORCH_CHECK_VALUE(!rooted || (root >= 0 && root < opt_.size), what, ": the root must be a rank in [0, ", opt_.size,
+  TORCH_CHECK_VALUE(!rooted || (root >= 0 && root < opt_.size), what(), ": the root must be a rank in [0, ", opt_.size,
                     "), got ", root);
-  TORCH_CHECK_VALUE(std::isfinite(args.prescale) && std::isfinite(args.postscale), what,
+  TORCH_CHECK_VALUE(std::isfinite(args.prescale) && std::isfinite(args.postscale), what(),
                     ": prescale and postscale must be finite, got ", args.prescale, " and ", args.postscale);
   if (args.prescale != 1.0 || args.postscale != 1.0) {
     const at::Tensor& t = kind == OpKind::ALLREDUCE_MANY ? args.tensors[0] : tensor;
     TORCH_CHECK_VALUE(kind == OpKind::ALLREDUCE || kind == OpKind::REDUCE_SCATTER || kind == OpKind::ALLREDUCE_MANY,
-                      what, " takes no prescale or postscale factor");
-    TORCH_CHECK_VALUE(isFloating(t.scalar_type()), what, " of ", tensorText(t),
+                      what(), " takes no prescale or postscale factor");
+    TORCH_CHECK_VALUE(isFloating(t.scalar_type()), what(), " of ", tensorText(t),
                       ": prescale and postscale factors need a floating-point tensor (an integer tensor "
                       "would be rounded); scale it yourself or convert it to float");
   }
   if (kind == OpKind::REDUCE_SCATTER) {
-    TORCH_CHECK_VALUE(tensor.dim() > 0, what, " of ", tensorText(tensor), ": the tensor needs a dim 0 to split");
+    TORCH_CHECK_VALUE(tensor.dim() > 0, what(), " of ", tensorText(tensor), ": the tensor needs a dim 0 to split");
     if (args.out.defined()) {
       std::vector<int64_t> sizes = tensor.sizes().vec();
       sizes[0] = rowsOf(tensor.size(0), opt_.size, opt_.rank);
       TORCH_CHECK_VALUE(args.out.sizes().vec() == sizes && args.out.scalar_type() == tensor.scalar_type() &&
                             args.out.is_contiguous() && args.out.device().is_cpu(),
-                        what, " of ", tensorText(tensor), ": the output must be a contiguous CPU ",
+                        what(), " of ", tensorText(tensor), ": the output must be a contiguous CPU ",
                         dtypeName(toDType(tensor.scalar_type())), at::IntArrayRef(sizes), " (this rank's rows), got ",
                         tensorText(args.out));
     }
@@ -93,30 +94,30 @@ void Communicator::checkArgs(OpKind kind, const at::Tensor& tensor, ReduceOp op,
   if (kind == OpKind::ALLGATHER && args.out.defined()) {
     TORCH_CHECK_VALUE(args.out.scalar_type() == tensor.scalar_type() && args.out.is_contiguous() &&
                           args.out.device().is_cpu(),
-                      what, " of ", tensorText(tensor), ": the output must be a contiguous CPU tensor of its dtype, got ",
+                      what(), " of ", tensorText(tensor), ": the output must be a contiguous CPU tensor of its dtype, got ",
                       tensorText(args.out));
   }
   if (kind == OpKind::SCATTER && opt_.rank == root) {
-    TORCH_CHECK_VALUE(args.tensors.size() == 1, what, ": the root passes its chunks as one tensor");
+    TORCH_CHECK_VALUE(args.tensors.size() == 1, what(), ": the root passes its chunks as one tensor");
     const at::Tensor& all = args.tensors[0];
     TORCH_CHECK_VALUE(all.scalar_type() == tensor.scalar_type() && all.device().is_cpu() && all.is_contiguous() &&
                           all.numel() == tensor.numel() * opt_.size,
-                      what, ": the root's chunks ", tensorText(all), " must be ", opt_.size, " tensors like ",
+                      what(), ": the root's chunks ", tensorText(all), " must be ", opt_.size, " tensors like ",
                       tensorText(tensor), ", concatenated");
   }
   if (kind == OpKind::ALLTOALL) {
-    TORCH_CHECK_VALUE(tensor.dim() > 0, what, " of ", tensorText(tensor), ": the tensor needs a dim 0 to split");
+    TORCH_CHECK_VALUE(tensor.dim() > 0, what(), " of ", tensorText(tensor), ": the tensor needs a dim 0 to split");
     for (const at::Tensor* splits : {&args.sendSplits, &args.recvSplits}) {
       TORCH_CHECK_VALUE(splits->defined() && splits->scalar_type() == at::kLong && splits->device().is_cpu() &&
                             splits->is_contiguous() && splits->numel() == opt_.size,
-                        what, ": send and receive splits must be int64 CPU tensors of ", opt_.size, " elements");
+                        what(), ": send and receive splits must be int64 CPU tensors of ", opt_.size, " elements");
     }
     if (args.out.defined()) {
-      TORCH_CHECK_VALUE(args.recvSplitsKnown, what, ": an output tensor needs the receive splits");
+      TORCH_CHECK_VALUE(args.recvSplitsKnown, what(), ": an output tensor needs the receive splits");
       TORCH_CHECK_VALUE(args.out.dim() == tensor.dim() && args.out.sizes().slice(1) == tensor.sizes().slice(1) &&
                             args.out.scalar_type() == tensor.scalar_type() && args.out.is_contiguous() &&
                             args.out.device().is_cpu(),
-                        what, " of ", tensorText(tensor), ": the output must be a contiguous CPU tensor of its dtype ",
+                        what(), " of ", tensorText(tensor), ": the output must be a contiguous CPU tensor of its dtype ",
                         "and row shape, got ", tensorText(args.out));
     }
     // Whether the splits sum to the rows is checked with every rank's splits (alltoall()), so

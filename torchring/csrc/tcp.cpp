@@ -239,7 +239,7 @@ void TcpRing::connect(const std::string& rightAddr, int rightPort) {
 
 void TcpRing::fail(const std::string& why, bool left, const std::string& advice) const {
   std::ostringstream msg;
-  msg << "rank " << opt_.rank << " (this process): " << what_ << ": " << why << " ";
+  msg << "rank " << opt_.rank << " (this process): " << (hasOp_ ? op_.what() : "setup") << ": " << why << " ";
   if (left) {
     msg << (leftDesc_.empty() ? "rank " + std::to_string(opt_.leftRank) + " (left neighbour)" : leftDesc_);
   } else {

@@ -51,7 +51,8 @@ class TcpRing {
   // blocks[i] = the spans of ring member i; this member's block is already in place.
   void allgather(const std::vector<std::vector<Span>>& blocks);
 
-  void setWhat(const std::string& what) { what_ = what; }
+  // The operation that failure messages name (its words are made only when one fails).
+  void setOp(const OpHeader& header) { op_ = header; hasOp_ = true; }
   // Called with (peer rank, this rank's message) when a neighbour fails us; returns what is
   // known of why that peer failed ("" if nothing), to be added to the message.
   void setExplain(std::function<std::string(int, const std::string&)> explain) {
@@ -71,7 +72,8 @@ class TcpRing {
   TcpOptions opt_;
   int listenFd_ = -1, sendFd_ = -1, recvFd_ = -1;
   std::string leftDesc_, rightDesc_;
-  std::string what_ = "setup";
+  OpHeader op_;
+  bool hasOp_ = false;  // no operation yet: messages say "setup"
   std::vector<char> scratch_;
   std::vector<float> hostSum_;
   std::function<std::string(int, const std::string&)> explain_;

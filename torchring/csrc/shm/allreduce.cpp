@@ -38,6 +38,7 @@ std::pair<size_t, size_t> chunkOf(int index, int n, size_t count, size_t esize) 
 // segment k before segment k+2 reuses its buffer: no trailing barrier.
 void ShmGroup::allreduce(char* data, size_t count, DType dtype, ReduceOp op, double scale,
                          const std::vector<OpHeader>& headers) {
+  if (prestaged_ >= 0) return reduceStaged(data, count, dtype, op, scale);
   const int n = localSize(), me = opt_.localIndex;
   bool zeroCopy = opt_.arenaBytes > 0 && count > 0;
   for (int i = 0; i < n; ++i) zeroCopy = zeroCopy && headers[opt_.localRanks[i]].arenaOffset >= 0;
@@ -84,6 +85,18 @@ void ShmGroup::allreduce(char* data, size_t count, DType dtype, ReduceOp op, dou
       std::memcpy(segment + plo * esize, staging(p, buf) + plo * esize, (phi - plo) * esize);
     }
   }
+}
+
+// The one-sync allreduce: exchangeHeadersWithData staged every rank's whole message in
+// staging buffer prestaged_ with the header exchange's synchronization; every rank reduces the
+// n staged copies into its tensor. One synchronization in all, where a separate header
+// exchange and one-shot segment take two.
+void ShmGroup::reduceStaged(char* data, size_t count, DType dtype, ReduceOp op, double scale) {
+  const int n = localSize(), buf = prestaged_;
+  prestaged_ = -1;
+  std::vector<const void*> srcs(n);
+  for (int p = 0; p < n; ++p) srcs[p] = staging(p, buf);
+  reduceInto(data, nullptr, srcs.data(), n, count, dtype, op, scale);
 }
 
 // Zero-copy allreduce, used when every local rank's tensor lives in its arena. The header

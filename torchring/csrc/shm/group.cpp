@@ -4,6 +4,7 @@
 #include "group.h"
 
 #include <fcntl.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -27,6 +28,22 @@ uint64_t pidNamespace() {
   struct stat st;
   if (stat("/proc/self/ns/pid", &st) != 0) return 0;
   return static_cast<uint64_t>(st.st_ino) ^ (static_cast<uint64_t>(st.st_dev) << 32);
+}
+
+// This process's CPU affinity mask as 16 words of 64 CPUs; every CPU when it cannot be read.
+void affinityMask(uint64_t (&words)[16]) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  const bool known = sched_getaffinity(0, sizeof(set), &set) == 0;
+  for (int cpu = 0; cpu < 1024; ++cpu) {
+    if (!known || (cpu < CPU_SETSIZE && CPU_ISSET(cpu, &set))) words[cpu / 64] |= uint64_t{1} << (cpu % 64);
+  }
+}
+
+int countCpus(const uint64_t (&words)[16]) {
+  int n = 0;
+  for (uint64_t w : words) n += __builtin_popcountll(w);
+  return n;
 }
 
 }  // namespace
@@ -91,6 +108,9 @@ std::string ShmGroup::create(const std::string& nameTag) {
   own->pid = getpid();
   own->pidNamespace = pidNamespace();
   own->rank = opt_.localRanks[opt_.localIndex];
+  std::fill(std::begin(own->cpus), std::end(own->cpus), 0);
+  affinityMask(own->cpus);
+  ownCpus_ = countCpus(own->cpus);
   own->magic = shm::kMagic;
   return ownName_;
 }
@@ -131,6 +151,27 @@ void ShmGroup::attach(const std::vector<std::string>& names) {
           std::to_string(opt_.oneShotBytes) + " bytes); give every rank the same TORCHRING_SHM_SEGMENT_KB");
     }
   }
+  chooseSpin();
+}
+
+// How long a wait spins before it sleeps, from the CPU sets of this host's ranks: spinning
+// only hurts when the rank being waited for needs the CPU the spinner holds. That cannot
+// happen when the ranks' sets are pairwise disjoint (mpirun --bind-to core, srun --cpu-bind,
+// taskset per rank: every rank has cores of its own), nor when together they hold at least
+// one CPU per rank (the scheduler spreads them). Otherwise (ranks outnumber the CPUs they
+// may use) a wait spins briefly and sleeps.
+void ShmGroup::chooseSpin() {
+  if (!opt_.spinAuto) return;
+  uint64_t all[16] = {};
+  bool disjoint = true;
+  for (int i = 0; i < localSize(); ++i) {
+    const Control* c = control(i);
+    for (int w = 0; w < 16; ++w) {
+      disjoint = disjoint && (all[w] & c->cpus[w]) == 0;
+      all[w] |= c->cpus[w];
+    }
+  }
+  opt_.spinIters = disjoint || countCpus(all) >= localSize() ? ShmOptions::kLongSpin : ShmOptions::kShortSpin;
 }
 
 void ShmGroup::unlinkOwn() {
@@ -167,8 +208,28 @@ int64_t ShmGroup::arenaOffsetOf(const void* ptr, size_t bytes) const {
 // parity seq & 1 and arrives; once every peer arrived, their tables hold this operation's
 // headers. Consecutive operations use different tables, so writing the next operation's
 // header never races with a peer still reading this one's.
+// Every exchange also takes the next staging buffer, whether it stages data into it
+// (exchangeHeadersWithData) or not: ranks whose headers differ (one staged, one did not) still
+// agree on which buffer comes next, and the double-buffering rule of allreduce.cpp holds,
+// since every buffer turn has at least one synchronization.
 void ShmGroup::exchangeHeaders(const OpHeader& header, std::vector<OpHeader>& headers) {
+  exchangeHeadersWithData(header, nullptr, headers);
+}
+
+bool ShmGroup::fitsOneSync(const OpHeader& header) const {
+  const size_t bytes = header.count * elementSize(static_cast<DType>(header.dtype));
+  return static_cast<OpKind>(header.kind) == OpKind::ALLREDUCE && !header.onGpu && header.prescale == 1.0 &&
+         bytes > 0 && bytes <= opt_.oneShotBytes && bytes <= opt_.segmentBytes;
+}
+
+void ShmGroup::exchangeHeadersWithData(const OpHeader& header, const char* data, std::vector<OpHeader>& headers) {
   const int me = opt_.localIndex;
+  const int buf = nextBuffer();
+  prestaged_ = -1;
+  if (data != nullptr) {
+    std::memcpy(staging(me, buf), data, header.count * elementSize(static_cast<DType>(header.dtype)));
+    prestaged_ = buf;
+  }
   table(me, header.seq)[opt_.localRanks[me]] = header;
   arrive();
   waitAll();

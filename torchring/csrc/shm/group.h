@@ -28,6 +28,9 @@ struct ShmOptions {
   size_t arenaBytes = 0;        // virtual size of the zero-copy arena (committed on use)
   double timeoutSec = 300;      // a wait that sees no progress this long fails
   int spinIters = 20000;        // busy-wait iterations before sleeping on a futex
+  // Replace spinIters at attach by the CPU-set rule (group.cpp, chooseSpin).
+  bool spinAuto = false;
+  static constexpr int kLongSpin = 20000, kShortSpin = 200;
   // A staged allreduce of at most this many bytes is one-shot: every rank reduces the whole
   // message (one synchronization per segment); above it, each rank reduces its chunk.
   size_t oneShotBytes = kDefaultOneShotBytes;
@@ -65,6 +68,14 @@ class ShmGroup {
   // Publishes `header` into this rank's table for its parity and returns after every
   // local peer published theirs; headers[rank] is filled for every local rank.
   void exchangeHeaders(const OpHeader& header, std::vector<OpHeader>& headers);
+  // True when `header` is an allreduce that exchangeHeadersWithData can run: one segment that
+  // fits the one-shot limit, no prescale. Reads only fields that every rank's header must
+  // share, so ranks whose headers match all take the same path.
+  bool fitsOneSync(const OpHeader& header) const;
+  // exchangeHeaders that also stages `data` (header.count elements) for the allreduce that
+  // follows: one synchronization for both. The data stays staged for allreduce(), which then
+  // only reduces; a mismatch found in `headers` leaves `data` untouched.
+  void exchangeHeadersWithData(const OpHeader& header, const char* data, std::vector<OpHeader>& headers);
   // Leader side of a multi-host header exchange: publishes the full table to the group.
   void publishAllHeaders(const std::vector<OpHeader>& headers);
   // Non-leader side: waits for the leader's table and copies it.
@@ -98,6 +109,10 @@ class ShmGroup {
   // (for waits outside these collectives: point-to-point transfers).
   std::string peerTrouble(int index) const;
 
+  // True while operations run on the progress thread, false while they run inline on the
+  // caller's: a rank with one CPU then spins briefly, since its caller may be computing.
+  void setOnProgressThread(bool on) { onProgressThread_ = on; }
+
   // Marks the group failed with `message` and wakes every waiter (first caller wins).
   void abort(const std::string& message);
 
@@ -112,6 +127,8 @@ class ShmGroup {
   void checkAbort() const;
   [[noreturn]] void failWaiting(int index, const char* why) const;
   int nextBuffer() { return static_cast<int>(bufferCounter_++ & 1); }
+  void reduceStaged(char* data, size_t count, DType dtype, ReduceOp op, double scale);
+  void chooseSpin();
   void allreduceZeroCopy(char* data, size_t count, DType dtype, ReduceOp op, double scale,
                          const std::vector<OpHeader>& headers);
 
@@ -122,8 +139,13 @@ class ShmGroup {
   bool unlinked_ = true;
   uint32_t stamp_ = 0;           // phases this rank completed (mirrors its control stamp)
   uint64_t bufferCounter_ = 0;   // segments staged so far; parity picks the staging buffer
+  int prestaged_ = -1;           // staging buffer holding this operation's data, or -1
+  int ownCpus_ = 0;              // CPUs in this process's affinity mask
+  bool onProgressThread_ = false;
   uint64_t currentSeq_ = 0;
-  std::string currentWhat_;
+  OpHeader current_;             // the operation in progress, named by failure messages
+  bool hasCurrent_ = false;
+  std::string currentWhat() const { return hasCurrent_ ? current_.what() : std::string(); }
   std::shared_ptr<Arena> arena_;
 };
 

@@ -38,6 +38,7 @@ struct ShmGroup::Control {
   std::atomic<uint64_t> heartbeat;              // bumped by progress outside shared memory
   uint64_t segmentBytes, stagingOffset, arenaOffset, worldSize;  // layout, checked by peers
   uint64_t oneShotBytes;                        // checked too: it sets how many waits a step has
+  uint64_t cpus[16];                            // the owner's CPU affinity mask (CPUs 0-1023)
   std::atomic<uint32_t> abortState;             // group-wide, in local index 0: 0, 1 writing, 2 set
   char abortMessage[4096];
 };

@@ -7,6 +7,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <climits>
 #include <cstdio>
@@ -47,7 +48,8 @@ bool processAlive(int pid) {
 
 void ShmGroup::setCurrent(const OpHeader& header) {
   currentSeq_ = header.seq;
-  currentWhat_ = header.what();
+  current_ = header;  // its words are made only if it fails
+  hasCurrent_ = true;
   control(opt_.localIndex)->progress.store(header.seq << 1, std::memory_order_relaxed);
 }
 
@@ -71,7 +73,10 @@ void ShmGroup::waitFor(int index, uint32_t target) {
     return static_cast<int32_t>(peer->stamp.load(std::memory_order_acquire) - target) >= 0;
   };
   if (reached()) return;
-  for (int i = 0; i < opt_.spinIters; ++i) {
+  // On the progress thread of a one-CPU rank, a long spin would take that CPU from the caller.
+  const int spins = onProgressThread_ && ownCpus_ <= 1 ? std::min(opt_.spinIters, ShmOptions::kShortSpin)
+                                                        : opt_.spinIters;
+  for (int i = 0; i < spins; ++i) {
     cpuRelax();
     if (reached()) return;
   }
@@ -111,7 +116,7 @@ void ShmGroup::checkAbort() const {
     cpuRelax();
   }
   throw CommFailedError("rank " + std::to_string(opt_.localRanks[opt_.localIndex]) + ": " +
-                       currentWhat_ + " aborted because another rank failed: " +
+                       currentWhat() + " aborted because another rank failed: " +
                        std::string(leader->abortMessage));
 }
 
@@ -119,7 +124,7 @@ void ShmGroup::failWaiting(int index, const char* why) const {
   Control* peer = control(index);
   uint64_t progress = peer->progress.load();
   std::ostringstream msg;
-  msg << "rank " << opt_.localRanks[opt_.localIndex] << " (this process): " << currentWhat_;
+  msg << "rank " << opt_.localRanks[opt_.localIndex] << " (this process): " << currentWhat();
   if (std::strcmp(why, "died") == 0) {
     msg << " failed: rank " << peer->rank << " (pid " << peer->pid
         << ", same host) died; the job cannot continue, restart it (torchrun --max-restarts)";
