@@ -38,7 +38,7 @@ std::pair<size_t, size_t> chunkOf(int index, int n, size_t count, size_t esize) 
 // segment k before segment k+2 reuses its buffer: no trailing barrier.
 void ShmGroup::allreduce(char* data, size_t count, DType dtype, ReduceOp op, double scale,
                          const std::vector<OpHeader>& headers) {
-  if (prestaged_ >= 0) return reduceStaged(data, count, dtype, op, scale);
+  if (prestaged_ >= 0) return reduceStaged(data, count, dtype, op, scale, headers);
   const int n = localSize(), me = opt_.localIndex;
   bool zeroCopy = opt_.arenaBytes > 0 && count > 0;
   for (int i = 0; i < n; ++i) zeroCopy = zeroCopy && headers[opt_.localRanks[i]].arenaOffset >= 0;
@@ -62,27 +62,27 @@ void ShmGroup::allreduce(char* data, size_t count, DType dtype, ReduceOp op, dou
     char* segment = data + start * esize;
     auto [lo, hi] = chunkOf(me, n, len, esize);
     if (oneShot) {
-      std::memcpy(staging(me, buf), segment, len * esize);
+      std::memcpy(staged(me, buf, headers), segment, len * esize);
     } else {
-      std::memcpy(staging(me, buf), segment, lo * esize);
-      std::memcpy(staging(me, buf) + hi * esize, segment + hi * esize, (len - hi) * esize);
+      std::memcpy(staged(me, buf, headers), segment, lo * esize);
+      std::memcpy(staged(me, buf, headers) + hi * esize, segment + hi * esize, (len - hi) * esize);
     }
     arrive();
     waitAll();
     if (oneShot) {
-      for (int p = 0; p < n; ++p) srcs[p] = staging(p, buf);
+      for (int p = 0; p < n; ++p) srcs[p] = staged(p, buf, headers);
       reduceInto(segment, nullptr, srcs.data(), n, len, dtype, op, scale);
       continue;
     }
-    for (int p = 0; p < n; ++p) srcs[p] = (p == me ? segment : staging(p, buf)) + lo * esize;
-    reduceInto(staging(me, buf) + lo * esize, segment + lo * esize, srcs.data(), n, hi - lo,
+    for (int p = 0; p < n; ++p) srcs[p] = (p == me ? segment : staged(p, buf, headers)) + lo * esize;
+    reduceInto(staged(me, buf, headers) + lo * esize, segment + lo * esize, srcs.data(), n, hi - lo,
                dtype, op, scale);
     arrive();
     waitAll();
     for (int p = 0; p < n; ++p) {
       if (p == me) continue;
       auto [plo, phi] = chunkOf(p, n, len, esize);
-      std::memcpy(segment + plo * esize, staging(p, buf) + plo * esize, (phi - plo) * esize);
+      std::memcpy(segment + plo * esize, staged(p, buf, headers) + plo * esize, (phi - plo) * esize);
     }
   }
 }
@@ -91,11 +91,12 @@ void ShmGroup::allreduce(char* data, size_t count, DType dtype, ReduceOp op, dou
 // staging buffer prestaged_ with the header exchange's synchronization; every rank reduces the
 // n staged copies into its tensor. One synchronization in all, where a separate header
 // exchange and one-shot segment take two.
-void ShmGroup::reduceStaged(char* data, size_t count, DType dtype, ReduceOp op, double scale) {
+void ShmGroup::reduceStaged(char* data, size_t count, DType dtype, ReduceOp op, double scale,
+                            const std::vector<OpHeader>& headers) {
   const int n = localSize(), buf = prestaged_;
   prestaged_ = -1;
   std::vector<const void*> srcs(n);
-  for (int p = 0; p < n; ++p) srcs[p] = staging(p, buf);
+  for (int p = 0; p < n; ++p) srcs[p] = staged(p, buf, headers);
   reduceInto(data, nullptr, srcs.data(), n, count, dtype, op, scale);
 }
 

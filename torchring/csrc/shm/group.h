@@ -100,6 +100,9 @@ class ShmGroup {
   char* p2pRing(int owner, int writer) const;
   static constexpr size_t kP2PRingBytes = 256 << 10;
 
+  // The stagingShift of an allreduce of the tensor at `data` (group.cpp says why).
+  static uint16_t stagingShiftFor(const void* data);
+
   // The zero-copy arena of this rank (tensors allocated there keep it mapped).
   std::shared_ptr<Arena> arena() const { return arena_; }
   // Offset of [ptr, ptr+bytes) in this rank's arena, or -1 if it lies outside.
@@ -121,13 +124,18 @@ class ShmGroup {
   Control* control(int index) const;
   OpHeader* table(int index, uint64_t seq) const;
   char* staging(int index, int buffer) const;
+  // Where local rank `index` stages an allreduce's data: staging() + its header's stagingShift.
+  char* staged(int index, int buffer, const std::vector<OpHeader>& headers) const;
+  // A staging buffer holds a segment at any shift below a page.
+  size_t stagingStride() const { return opt_.segmentBytes + 4096; }
   void arrive();
   void waitFor(int index, uint32_t target);
   void waitAll();
   void checkAbort() const;
   [[noreturn]] void failWaiting(int index, const char* why) const;
   int nextBuffer() { return static_cast<int>(bufferCounter_++ & 1); }
-  void reduceStaged(char* data, size_t count, DType dtype, ReduceOp op, double scale);
+  void reduceStaged(char* data, size_t count, DType dtype, ReduceOp op, double scale,
+                    const std::vector<OpHeader>& headers);
   void chooseSpin();
   void allreduceZeroCopy(char* data, size_t count, DType dtype, ReduceOp op, double scale,
                          const std::vector<OpHeader>& headers);
