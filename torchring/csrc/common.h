@@ -86,8 +86,8 @@ struct OpHeader {
   uint8_t op = 0;            // ReduceOp (allreduce, reduce_scatter)
   uint8_t onGpu = 0;         // 1: the NCCL path moves the data; the engine only compares
   uint8_t ndim = 0;          // the tensor's number of dims (0: a scalar, or no tensor)
-  uint16_t stagingShift = 0; // allreduce on one host: where in its staging buffers this rank
-                             // stages (per rank; ShmGroup::stagingShiftFor)
+  uint16_t pageOffset = 0;   // allreduce: the tensor's offset in its page, rounded down to 64
+                             // (per rank: where shared memory stages it, shm/group.cpp)
   int32_t root = -1;         // broadcast, reduce, gather, scatter: the root rank
 
   // Fills ndim and dims from a tensor's sizes.

@@ -285,7 +285,7 @@ OpHeader Communicator::makeHeader(OpKind kind, const at::Tensor& tensor, ReduceO
     for (int d = 1; d < tensor.dim(); ++d) header.rowElems *= static_cast<uint64_t>(tensor.size(d));
   }
   if (shm_ && kind == OpKind::ALLREDUCE && tensor.device().is_cpu()) {
-    header.stagingShift = ShmGroup::stagingShiftFor(tensor.data_ptr());
+    header.pageOffset = static_cast<uint16_t>(reinterpret_cast<uintptr_t>(tensor.data_ptr()) % 4096 & ~uintptr_t{63});
     header.arenaOffset = shm_->arenaOffsetOf(tensor.data_ptr(), tensor.nbytes());
   }
   return header;

@@ -54,6 +54,7 @@ void ShmGroup::allreduce(char* data, size_t count, DType dtype, ReduceOp op, dou
   }
   const size_t esize = elementSize(dtype);
   const size_t segmentElems = opt_.segmentBytes / esize;
+  placeKnown(headers);
   const bool oneShot = count * esize <= opt_.oneShotBytes;
   std::vector<const void*> srcs(n);
   for (size_t start = 0; start < count; start += segmentElems) {
@@ -62,27 +63,27 @@ void ShmGroup::allreduce(char* data, size_t count, DType dtype, ReduceOp op, dou
     char* segment = data + start * esize;
     auto [lo, hi] = chunkOf(me, n, len, esize);
     if (oneShot) {
-      std::memcpy(staged(me, buf, headers), segment, len * esize);
+      std::memcpy(staged(me, buf), segment, len * esize);
     } else {
-      std::memcpy(staged(me, buf, headers), segment, lo * esize);
-      std::memcpy(staged(me, buf, headers) + hi * esize, segment + hi * esize, (len - hi) * esize);
+      std::memcpy(staged(me, buf), segment, lo * esize);
+      std::memcpy(staged(me, buf) + hi * esize, segment + hi * esize, (len - hi) * esize);
     }
     arrive();
     waitAll();
     if (oneShot) {
-      for (int p = 0; p < n; ++p) srcs[p] = staged(p, buf, headers);
+      for (int p = 0; p < n; ++p) srcs[p] = staged(p, buf);
       reduceInto(segment, nullptr, srcs.data(), n, len, dtype, op, scale);
       continue;
     }
-    for (int p = 0; p < n; ++p) srcs[p] = (p == me ? segment : staged(p, buf, headers)) + lo * esize;
-    reduceInto(staged(me, buf, headers) + lo * esize, segment + lo * esize, srcs.data(), n, hi - lo,
+    for (int p = 0; p < n; ++p) srcs[p] = (p == me ? segment : staged(p, buf)) + lo * esize;
+    reduceInto(staged(me, buf) + lo * esize, segment + lo * esize, srcs.data(), n, hi - lo,
                dtype, op, scale);
     arrive();
     waitAll();
     for (int p = 0; p < n; ++p) {
       if (p == me) continue;
       auto [plo, phi] = chunkOf(p, n, len, esize);
-      std::memcpy(segment + plo * esize, staged(p, buf, headers) + plo * esize, (phi - plo) * esize);
+      std::memcpy(segment + plo * esize, staged(p, buf) + plo * esize, (phi - plo) * esize);
     }
   }
 }
@@ -95,8 +96,9 @@ void ShmGroup::reduceStaged(char* data, size_t count, DType dtype, ReduceOp op, 
                             const std::vector<OpHeader>& headers) {
   const int n = localSize(), buf = prestaged_;
   prestaged_ = -1;
+  placeOwn(headers);
   std::vector<const void*> srcs(n);
-  for (int p = 0; p < n; ++p) srcs[p] = staged(p, buf, headers);
+  for (int p = 0; p < n; ++p) srcs[p] = staged(p, buf);
   reduceInto(data, nullptr, srcs.data(), n, count, dtype, op, scale);
 }
 

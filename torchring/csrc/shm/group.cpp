@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cerrno>
 #include <cstring>
 #include <sstream>
@@ -59,6 +60,7 @@ ShmGroup::ShmGroup(ShmOptions options) : opt_(std::move(options)) {
   p2pOffset_ = roundUp(stagingOffset_ + 2 * stagingStride(), kPage);
   arenaOffset_ = p2pOffset_ + opt_.localRanks.size() * kP2PRingBytes;
   mappings_.resize(opt_.localRanks.size());
+  shift_.resize(opt_.localRanks.size());
 }
 
 ShmGroup::~ShmGroup() { unlinkOwn(); }
@@ -192,18 +194,43 @@ char* ShmGroup::staging(int index, int buffer) const {
   return mappings_[index]->base + stagingOffset_ + buffer * stagingStride();
 }
 
-char* ShmGroup::staged(int index, int buffer, const std::vector<OpHeader>& headers) const {
-  return staging(index, buffer) + headers[opt_.localRanks[index]].stagingShift;
+char* ShmGroup::staged(int index, int buffer) const { return staging(index, buffer) + shift_[index]; }
+
+// Where each rank stages an allreduce in its staging buffers (shift_, below a page). Copying
+// between a stream that stores and one that loads at addresses with the same low 12 bits makes
+// the CPU mistake the store for one to the loaded address (4K aliasing): measured here, a
+// tensor at offset 0 or 64 of a page (where torch puts large tensors) staged at a page
+// boundary made the allreduce 5-8x slower at 1-64 MiB. A rank stores to its staging and its
+// tensor and loads from its tensor and every peer's staging, so every staging shift should be
+// far from every rank's tensor offset and from the other shifts.
+// - placeKnown: every rank's pageOffset is known (a separate header exchange came first):
+//   shifts are given in local index order, each at the multiple of 64 farthest (circular
+//   distance) from every tensor offset and the shifts given so far; every rank computes the same.
+// - placeOwn: the one-sync path stages before it sees the peers' headers, so each rank puts
+//   its data half a page from its own tensor's offset (peers apply the same rule to its header).
+void ShmGroup::placeKnown(const std::vector<OpHeader>& headers) {
+  const int n = localSize();
+  std::vector<int> taken;
+  for (int i = 0; i < n; ++i) taken.push_back(headers[opt_.localRanks[i]].pageOffset);
+  for (int i = 0; i < n; ++i) {
+    int best = 0, bestGap = -1;
+    for (int s = 0; s < static_cast<int>(kPage); s += 64) {
+      int gap = static_cast<int>(kPage);
+      for (int t : taken) {
+        const int d = std::abs(s - t);
+        gap = std::min(gap, std::min(d, static_cast<int>(kPage) - d));
+      }
+      if (gap > bestGap) best = s, bestGap = gap;
+    }
+    shift_[i] = static_cast<uint16_t>(best);
+    taken.push_back(best);
+  }
 }
 
-// Copying between two streams whose addresses agree in their low 12 bits makes the CPU
-// mistake stores for loads of the same address (4K aliasing): measured here, a tensor at
-// offset 0 or 64 of a page (where torch puts large tensors) staged at a page boundary made
-// the allreduce 5-8x slower. Staging the data half a page away from the tensor's offset
-// keeps every copy and reduction of a rank (its tensor against its own staging) apart.
-uint16_t ShmGroup::stagingShiftFor(const void* data) {
-  const auto offset = reinterpret_cast<uintptr_t>(data) % kPage;
-  return static_cast<uint16_t>(((offset + kPage / 2) % kPage) & ~uintptr_t{63});
+void ShmGroup::placeOwn(const std::vector<OpHeader>& headers) {
+  for (int i = 0; i < localSize(); ++i) {
+    shift_[i] = static_cast<uint16_t>((headers[opt_.localRanks[i]].pageOffset + kPage / 2) % kPage);
+  }
 }
 
 char* ShmGroup::p2pRing(int owner, int writer) const {
@@ -241,8 +268,8 @@ void ShmGroup::exchangeHeadersWithData(const OpHeader& header, const char* data,
   const int buf = nextBuffer();
   prestaged_ = -1;
   if (data != nullptr) {
-    std::memcpy(staging(me, buf) + header.stagingShift, data,
-                header.count * elementSize(static_cast<DType>(header.dtype)));
+    shift_[me] = static_cast<uint16_t>((header.pageOffset + kPage / 2) % kPage);  // placeOwn's rule
+    std::memcpy(staged(me, buf), data, header.count * elementSize(static_cast<DType>(header.dtype)));
     prestaged_ = buf;
   }
   table(me, header.seq)[opt_.localRanks[me]] = header;

@@ -100,9 +100,6 @@ class ShmGroup {
   char* p2pRing(int owner, int writer) const;
   static constexpr size_t kP2PRingBytes = 256 << 10;
 
-  // The stagingShift of an allreduce of the tensor at `data` (group.cpp says why).
-  static uint16_t stagingShiftFor(const void* data);
-
   // The zero-copy arena of this rank (tensors allocated there keep it mapped).
   std::shared_ptr<Arena> arena() const { return arena_; }
   // Offset of [ptr, ptr+bytes) in this rank's arena, or -1 if it lies outside.
@@ -124,8 +121,11 @@ class ShmGroup {
   Control* control(int index) const;
   OpHeader* table(int index, uint64_t seq) const;
   char* staging(int index, int buffer) const;
-  // Where local rank `index` stages an allreduce's data: staging() + its header's stagingShift.
-  char* staged(int index, int buffer, const std::vector<OpHeader>& headers) const;
+  // Where local rank `index` stages an allreduce's data: staging() + shift_[index], which
+  // placeKnown or placeOwn set for the operation (group.cpp).
+  char* staged(int index, int buffer) const;
+  void placeKnown(const std::vector<OpHeader>& headers);
+  void placeOwn(const std::vector<OpHeader>& headers);
   // A staging buffer holds a segment at any shift below a page.
   size_t stagingStride() const { return opt_.segmentBytes + 4096; }
   void arrive();
@@ -148,6 +148,7 @@ class ShmGroup {
   uint32_t stamp_ = 0;           // phases this rank completed (mirrors its control stamp)
   uint64_t bufferCounter_ = 0;   // segments staged so far; parity picks the staging buffer
   int prestaged_ = -1;           // staging buffer holding this operation's data, or -1
+  std::vector<uint16_t> shift_;  // per local index: where this allreduce is staged (staged())
   int ownCpus_ = 0;              // CPUs in this process's affinity mask
   bool onProgressThread_ = false;
   uint64_t currentSeq_ = 0;
