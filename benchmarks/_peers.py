@@ -114,9 +114,10 @@ def run_under_mpirun(world: int, bind: str, port: int, argv: list[str],
     (done). A rank that fails, or mpirun exiting first, ends the run with its output."""
     rows, log = (f"/tmp/torchring-bench-{os.getpid()}-{world}.{ext}" for ext in ("jsonl", "log"))
     open(rows, "w").close()
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_rmaps_base_oversubscribe="1")
-    cmd = [mpirun(), "-np", str(world), "--bind-to", "core" if bind == "core" else "none",
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    over = world > (os.cpu_count() or 1)
+    binding = "none" if bind != "core" else "core:overload-allowed" if over else "core"
+    cmd = [mpirun(), "-np", str(world), "--map-by", ":OVERSUBSCRIBE" if over else "core", "--bind-to", binding,
            sys.executable, *argv, "--rank-of", f"{port}:{rows}"]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)

@@ -1,8 +1,10 @@
 // How the ranks of a host synchronize through their regions: arrive (bump this rank's stamp)
-// and wait (spin, then sleep on a futex until a peer's stamp reaches ours), with a check every
-// kCheckInterval for a group-wide abort, a dead peer and the timeout; the messages those
+// and wait (spin, yield the CPU a few times, then sleep on a futex until a peer's stamp
+// reaches ours), with a check every kCheckInterval for a group-wide abort, a dead peer and
+// the timeout; the messages those
 // failures raise; and the progress words peers show in theirs.
 #include <linux/futex.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -22,6 +24,7 @@ namespace torchring {
 namespace {
 
 constexpr double kCheckInterval = 0.05;  // seconds between liveness/timeout checks
+constexpr int kYields = 50;              // sched_yield()s between spinning and sleeping
 
 void futexWait(std::atomic<uint32_t>* word, uint32_t expected, long nanos) {
   timespec ts{0, nanos};
@@ -78,6 +81,12 @@ void ShmGroup::waitFor(int index, uint32_t target) {
                                                         : opt_.spinIters;
   for (int i = 0; i < spins; ++i) {
     cpuRelax();
+    if (reached()) return;
+  }
+  // Then hand the CPU over a few times before sleeping: when ranks outnumber CPUs the awaited
+  // rank may be waiting for this very CPU, and a yield runs it without a futex round trip.
+  for (int i = 0; i < kYields; ++i) {
+    sched_yield();
     if (reached()) return;
   }
   auto start = Clock::now(), lastCheck = start;
