@@ -150,6 +150,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale") = 1.0, "Test-only: dst = srcs[0] op srcs[1] ... with the engine's kernels.");
 
   namespace gradpool = torchring::gradpool;
+  // Shared memory's placement and spin rules (shm/group.cpp), for the unit tests.
+  m.def("_staging_shifts", &torchring::ShmGroup::stagingShifts, py::arg("page_offsets"));
+  m.def(
+      "_cpu_sets_suffice",
+      [](const std::vector<std::vector<int>>& cpuSets) {
+        std::vector<std::array<uint64_t, 16>> masks(cpuSets.size());
+        for (size_t i = 0; i < cpuSets.size(); ++i) {
+          masks[i].fill(0);
+          for (int cpu : cpuSets[i]) {
+            TORCH_CHECK_VALUE(cpu >= 0 && cpu < 1024, "_cpu_sets_suffice: CPU ", cpu, " is outside 0-1023");
+            masks[i][cpu / 64] |= uint64_t{1} << (cpu % 64);
+          }
+        }
+        return torchring::ShmGroup::cpusSuffice(masks);
+      },
+      py::arg("cpu_sets"));
   m.def("grad_pool_install", &gradpool::install, py::arg("limit_bytes"));
   m.def("grad_pool_begin", &gradpool::begin);
   m.def("grad_pool_end", &gradpool::end, py::arg("task"));

@@ -164,16 +164,21 @@ void ShmGroup::attach(const std::vector<std::string>& names) {
 // may use) a wait spins briefly and sleeps.
 void ShmGroup::chooseSpin() {
   if (!opt_.spinAuto) return;
+  std::vector<std::array<uint64_t, 16>> masks(localSize());
+  for (int i = 0; i < localSize(); ++i) std::copy(std::begin(control(i)->cpus), std::end(control(i)->cpus), masks[i].begin());
+  opt_.spinIters = cpusSuffice(masks) ? ShmOptions::kLongSpin : ShmOptions::kShortSpin;
+}
+
+bool ShmGroup::cpusSuffice(const std::vector<std::array<uint64_t, 16>>& masks) {
   uint64_t all[16] = {};
   bool disjoint = true;
-  for (int i = 0; i < localSize(); ++i) {
-    const Control* c = control(i);
+  for (const auto& mask : masks) {
     for (int w = 0; w < 16; ++w) {
-      disjoint = disjoint && (all[w] & c->cpus[w]) == 0;
-      all[w] |= c->cpus[w];
+      disjoint = disjoint && (all[w] & mask[w]) == 0;
+      all[w] |= mask[w];
     }
   }
-  opt_.spinIters = disjoint || countCpus(all) >= localSize() ? ShmOptions::kLongSpin : ShmOptions::kShortSpin;
+  return disjoint || countCpus(all) >= static_cast<int>(masks.size());
 }
 
 void ShmGroup::unlinkOwn() {
@@ -208,11 +213,10 @@ char* ShmGroup::staged(int index, int buffer) const { return staging(index, buff
 //   distance) from every tensor offset and the shifts given so far; every rank computes the same.
 // - placeOwn: the one-sync path stages before it sees the peers' headers, so each rank puts
 //   its data half a page from its own tensor's offset (peers apply the same rule to its header).
-void ShmGroup::placeKnown(const std::vector<OpHeader>& headers) {
-  const int n = localSize();
-  std::vector<int> taken;
-  for (int i = 0; i < n; ++i) taken.push_back(headers[opt_.localRanks[i]].pageOffset);
-  for (int i = 0; i < n; ++i) {
+std::vector<uint16_t> ShmGroup::stagingShifts(const std::vector<int>& pageOffsets) {
+  std::vector<int> taken(pageOffsets);
+  std::vector<uint16_t> shifts;
+  for (size_t i = 0; i < pageOffsets.size(); ++i) {
     int best = 0, bestGap = -1;
     for (int s = 0; s < static_cast<int>(kPage); s += 64) {
       int gap = static_cast<int>(kPage);
@@ -222,9 +226,16 @@ void ShmGroup::placeKnown(const std::vector<OpHeader>& headers) {
       }
       if (gap > bestGap) best = s, bestGap = gap;
     }
-    shift_[i] = static_cast<uint16_t>(best);
+    shifts.push_back(static_cast<uint16_t>(best));
     taken.push_back(best);
   }
+  return shifts;
+}
+
+void ShmGroup::placeKnown(const std::vector<OpHeader>& headers) {
+  std::vector<int> offsets;
+  for (int i = 0; i < localSize(); ++i) offsets.push_back(headers[opt_.localRanks[i]].pageOffset);
+  shift_ = stagingShifts(offsets);
 }
 
 void ShmGroup::placeOwn(const std::vector<OpHeader>& headers) {

@@ -8,6 +8,7 @@
 // holds at once (segmentBytes). The shared memory a rank owns is its *region*.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -99,6 +100,12 @@ class ShmGroup {
   // region that local rank `writer` writes into and `owner` reads from.
   char* p2pRing(int owner, int writer) const;
   static constexpr size_t kP2PRingBytes = 256 << 10;
+
+  // The rules of group.cpp as pure functions (tests call them through the bindings):
+  // placeKnown's staging shifts for the local ranks' tensor page offsets, and chooseSpin's
+  // test of whether the local ranks' CPU sets let them spin (masks of CPUs 0-1023).
+  static std::vector<uint16_t> stagingShifts(const std::vector<int>& pageOffsets);
+  static bool cpusSuffice(const std::vector<std::array<uint64_t, 16>>& masks);
 
   // The zero-copy arena of this rank (tensors allocated there keep it mapped).
   std::shared_ptr<Arena> arena() const { return arena_; }
