@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+COLORS = {"torchring": "C0", "torchring-shm": "C1", "gloo": "C2", "mpi": "C3", "deepspeed": "C4"}
+
 
 def draw(rows: list[dict[str, Any]], libs: list[str], path: str, title: str) -> None:
     """Writes the PNG `path` from allreduce.py's rows."""
@@ -20,7 +22,7 @@ def draw(rows: list[dict[str, Any]], libs: list[str], path: str, title: str) -> 
         for lib in libs:
             points = [(r["size"], r[lib]["time_us"]) for r in mine if lib in r]
             if points:
-                ax.plot(*zip(*points), marker="o", markersize=3, label=lib,
+                ax.plot(*zip(*points), marker="o", markersize=3, label=lib, color=COLORS.get(lib),
                         linewidth=2.2 if lib.startswith("torchring") else 1.2)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")

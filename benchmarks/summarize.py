@@ -2,8 +2,12 @@
 
     python benchmarks/summarize.py bench-1.json bench-2.json bench-3.json
 
-Each cell is the median over the runs of that run's median time; [min..max] shows the spread
-between runs, ratio = gloo time / torchring time (both medians)."""
+Each time cell is the median over the runs of that run's median time, with [min..max] over the
+runs for torchring. best peer / torchring = the fastest peer's median over torchring's (above 1:
+torchring is faster), taken per run and then the median over runs with [min..max]. Model
+fraction: torchring's (plain, torchring.empty) share of the memory-bandwidth model of
+allreduce.py (from 16 MiB). slowest/median: the worst over the runs of torchring's slowest trial
+over its median."""
 
 from __future__ import annotations
 
@@ -11,37 +15,56 @@ import json
 import statistics
 import sys
 
+ORDER = ("torchring", "torchring-shm", "gloo", "mpi", "deepspeed")
+
+
+def _label(size: int) -> str:
+    for shift, unit in ((20, "MiB"), (10, "KiB")):
+        if size >= 1 << shift and size % (1 << shift) == 0:
+            return f"{size >> shift} {unit}"
+    return f"{size} B"
+
 
 def main(paths: list[str]) -> None:
     runs = [json.load(open(p)) for p in paths]
-    points: dict[tuple, dict[str, list[dict]]] = {}
+    libs = [lib for lib in ORDER if any(lib in row for run in runs for row in run["rows"])]
+    points: dict[tuple, list[dict]] = {}
     oversubscribed = set()
     for run in runs:
         for row in run["rows"]:
-            key = (row["world"], row["dtype"], row["size"])
+            points.setdefault((row["world"], row["dtype"], row["size"]), []).append(row)
             if row.get("oversubscribed"):
                 oversubscribed.add(row["world"])
-            for lib in ("torchring", "gloo"):
-                if lib in row:
-                    points.setdefault(key, {}).setdefault(lib, []).append(row[lib])
-    print(f"{len(runs)} runs; machine: {runs[0]['machine']}")
+    machine = runs[0]["machine"]
+    print(f"{len(runs)} runs; {machine.get('cpu')}, {machine.get('cores')} cores; {machine.get('versions', '')}; "
+          f"load averages {[round(r['machine']['loadavg'][0], 2) for r in runs]}")
     print()
-    print("| world | dtype | size | torchring µs [min..max] | torchring busbw GB/s | gloo µs [min..max] "
-          "| gloo busbw GB/s | ratio | #wrong |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for (world, dtype, size), libs in sorted(points.items()):
-        cells = []
-        for lib in ("torchring", "gloo"):
-            times = [r["time_us"] for r in libs[lib]]
-            cells.append(f"{statistics.median(times):.1f} [{min(times):.0f}..{max(times):.0f}]")
-            cells.append(f"{statistics.median(r['busbw'] for r in libs[lib]):.3f}")
-        ratio = statistics.median(r["time_us"] for r in libs["gloo"]) / statistics.median(
-            r["time_us"] for r in libs["torchring"])
-        wrong = sum(r["wrong"] for lib in libs.values() for r in lib)
-        label = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
-        over = " (oversubscribed)" if world in oversubscribed else ""
-        print(f"| {world}{over} | {dtype} | {label} | {cells[0]} | {cells[1]} | {cells[2]} | {cells[3]} "
-              f"| {ratio:.1f}x | {wrong} |")
+    head = ["world", "dtype", "size"] + [f"{lib} µs" for lib in libs]
+    head += ["best peer / torchring [min..max]", "model fraction", "slowest/median", "#wrong"]
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for (world, dtype, size), rows in sorted(points.items()):
+        cells = [f"{world}{' (over)' if world in oversubscribed else ''}", dtype, _label(size)]
+        for lib in libs:
+            times = [r[lib]["time_us"] for r in rows if lib in r]
+            if not times:
+                cells.append("n/a")
+            elif lib == "torchring":
+                cells.append(f"{statistics.median(times):.1f} [{min(times):.1f}..{max(times):.1f}]")
+            else:
+                cells.append(f"{statistics.median(times):.1f}")
+        ratios = []
+        for r in rows:
+            peers = [r[lib]["time_us"] for lib in libs if lib in r and not lib.startswith("torchring")]
+            if peers and "torchring" in r:
+                ratios.append(min(peers) / r["torchring"]["time_us"])
+        cells.append(f"{statistics.median(ratios):.2f} [{min(ratios):.2f}..{max(ratios):.2f}]" if ratios else "")
+        fractions = [statistics.median(r[lib]["model_fraction"] for r in rows if lib in r)
+                     for lib in ("torchring", "torchring-shm") if any(lib in r for r in rows)]
+        cells.append(", ".join(f"{f:.2f}" for f in fractions) if size >= 16 << 20 and fractions else "")
+        worst = [r["torchring"]["slowest_over_median"] for r in rows if "slowest_over_median" in r.get("torchring", {})]
+        cells.append(f"{max(worst):.2f}" if worst else "")
+        cells.append(str(sum(r[lib]["wrong"] for r in rows for lib in libs if lib in r)))
+        print("| " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
