@@ -10,8 +10,8 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 
@@ -165,7 +165,9 @@ void ShmGroup::attach(const std::vector<std::string>& names) {
 void ShmGroup::chooseSpin() {
   if (!opt_.spinAuto) return;
   std::vector<std::array<uint64_t, 16>> masks(localSize());
-  for (int i = 0; i < localSize(); ++i) std::copy(std::begin(control(i)->cpus), std::end(control(i)->cpus), masks[i].begin());
+  for (int i = 0; i < localSize(); ++i) {
+    std::copy(std::begin(control(i)->cpus), std::end(control(i)->cpus), masks[i].begin());
+  }
   opt_.spinIters = cpusSuffice(masks) ? ShmOptions::kLongSpin : ShmOptions::kShortSpin;
 }
 

@@ -42,8 +42,9 @@ struct ShmOptions {
 // (region.h). Peers map every region of the group, so a rank reads its peers' staging
 // buffers and arena tensors directly. Progress is tracked by one monotonically increasing
 // `stamp` per rank: a rank bumps its stamp when it finishes a phase (arrive) and waits until
-// every peer's stamp has reached its own (waitAll). Waiting spins, yields, then sleeps on a futex,
-// and checks every ~50 ms for an abort, a dead peer (same PID namespace only) and the timeout.
+// every peer's stamp has reached its own (waitAll). Waiting spins, yields, then sleeps on a
+// futex, and checks every ~50 ms for an abort, a dead peer (same PID namespace only) and the
+// timeout.
 class ShmGroup {
  public:
   explicit ShmGroup(ShmOptions options);
