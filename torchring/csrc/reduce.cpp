@@ -3,13 +3,16 @@
 // The n-way reduction walks the inputs in blocks of kBlock elements. For each block it
 // loads srcs[0] into an accumulator array `acc` (float32 for 16-bit floats), folds in
 // srcs[1..n-1] one after another while the block stays in L1, optionally scales, and
-// stores the block to dst (and dst2). Each inner loop is a plain loop over `acc`, which
+// stores the block to dst (and dst2). `acc` sits on the stack where its page offset is far
+// from every stream's (placeAccumulator: 4K aliasing). Each inner loop is a plain loop over `acc`, which
 // the compiler vectorizes (the build uses -O3 and the host's instruction set). bfloat16
 // is widened by a shift and narrowed with round-to-nearest-even; float16 uses the
 // compiler's _Float16 conversions (F16C instructions where the CPU has them).
 #include "reduce.h"
 
 #include <algorithm>
+#include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 #include <c10/util/Half.h>
@@ -92,12 +95,40 @@ struct Max {
   static inline A apply(A a, A b) { return (a < b || b != b) ? b : a; }
 };
 
+// Where in `space` (a page longer than needed) the accumulator starts: the multiple of
+// 256 bytes whose page offset is farthest from those of every stream the kernel loads or
+// stores. A load of src[i] right after the store to acc[i] stalls when the two addresses agree
+// in their low 12 bits (4K aliasing); a fixed place on the stack lines up with some tensors.
+template <typename Acc>
+Acc* placeAccumulator(Acc* space, const void* const* streams, int nstreams) {
+  constexpr int kPage = 4096, kStep = 256;
+  const auto offsetOf = [](const void* p) { return static_cast<int>(reinterpret_cast<uintptr_t>(p) % kPage); };
+  const int base = offsetOf(space);
+  int best = 0, bestGap = -1;
+  for (int shift = 0; shift < kPage; shift += kStep) {
+    const int at = (base + shift) % kPage;
+    int gap = kPage;
+    for (int i = 0; i < nstreams; ++i) {
+      if (streams[i] == nullptr) continue;
+      const int d = std::abs(at - offsetOf(streams[i]));
+      gap = std::min(gap, std::min(d, kPage - d));
+    }
+    if (gap > bestGap) best = shift, bestGap = gap;
+  }
+  return reinterpret_cast<Acc*>(reinterpret_cast<char*>(space) + best);
+}
+
 template <typename T, typename Op>
 void reduceBlocks(T* dst, T* dst2, const T* const* srcs, int nsrc, size_t count,
                   double scale) {
   using C = Codec<T>;
   using Acc = typename C::Acc;
-  alignas(64) Acc acc[kBlock];
+  constexpr int kMaxStreams = 16;
+  alignas(64) Acc space[kBlock + 4096 / sizeof(Acc)];
+  const void* streams[kMaxStreams + 2] = {dst, dst2};
+  const int nstreams = 2 + std::min(nsrc, kMaxStreams);
+  for (int p = 0; p + 2 < nstreams; ++p) streams[p + 2] = srcs[p];
+  Acc* acc = placeAccumulator(space, streams, nstreams);
   const bool doScale = scale != 1.0;
   const Acc s = static_cast<Acc>(scale);
   for (size_t base = 0; base < count; base += kBlock) {

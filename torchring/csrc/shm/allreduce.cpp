@@ -98,7 +98,10 @@ void ShmGroup::reduceStaged(char* data, size_t count, DType dtype, ReduceOp op, 
   prestaged_ = -1;
   placeOwn(headers);
   std::vector<const void*> srcs(n);
-  for (int p = 0; p < n; ++p) srcs[p] = staged(p, buf);
+  // This rank's own values are still in its tensor (nothing wrote it since they were staged):
+  // read them there, one stream less. The order of the sources, and so the result, is the
+  // same on every rank.
+  for (int p = 0; p < n; ++p) srcs[p] = p == opt_.localIndex ? data : staged(p, buf);
   reduceInto(data, nullptr, srcs.data(), n, count, dtype, op, scale);
 }
 
