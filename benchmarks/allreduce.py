@@ -260,7 +260,7 @@ def print_header(libs: list[str]) -> None:
     print("| " + " | ".join(names) + " |\n|" + "---|" * len(names), flush=True)
 
 
-def print_row(row: dict, libs: list[str], copy_gbps: float) -> None:
+def print_row(row: dict, libs: list[str]) -> None:
     """One table line: each library's median time, the fastest peer's time over torchring's
     (above 1: torchring is faster), and torchring's fraction of the memory-bandwidth model."""
     cells = [fmt_size(row["size"]), row["dtype"]]
@@ -321,6 +321,8 @@ def main() -> None:
         args.worlds, args.sizes, args.trials, args.trial_s = "2", "4K,1M,16M", 3, 0.1
     wanted = [lib for lib in LIBS if lib in args.libs.split(",")]
     skipped = {lib: _peers.available(lib) for lib in wanted if lib in _peers.PEERS}
+    if args.device == "cuda":  # the peers and torchring.empty are CPU-only; the GPU's peer is NCCL or gloo
+        skipped.update({lib: "CPU tensors only" for lib in wanted if lib in _peers.PEERS + ("torchring-shm",)})
     args.libs = [lib for lib in wanted if not skipped.get(lib)]
     info = machine_info()
     info["copy_t1_GBps"] = copy_bandwidth()
@@ -346,7 +348,7 @@ def main() -> None:
                     row[lib]["busbw_over_copy_t1"] = row[lib]["busbw"] / info["copy_t1_GBps"]
                     row[lib]["model_fraction"] = model_s / (row[lib]["time_us"] / 1e6)
             rows.append({**row, "oversubscribed": over})
-            print_row(row, args.libs, info["copy_t1_GBps"])
+            print_row(row, args.libs)
 
         if "mpi" in args.libs:
             run_mpirun_world(world, args, on_row)

@@ -2,7 +2,9 @@
 
 #include <pthread.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstdio>
 #include <mutex>
 
@@ -162,6 +164,21 @@ namespace {
 std::atomic<uint64_t> forks{0};
 const int forkCounter = pthread_atfork(nullptr, nullptr, [] { forks.fetch_add(1); });
 }  // namespace
+
+int farthestPageShift(int origin, int step, const int* taken, int n) {
+  constexpr int kPage = 4096;
+  int best = 0, bestGap = -1;
+  for (int shift = 0; shift < kPage; shift += step) {
+    const int at = (origin + shift) % kPage;
+    int gap = kPage;
+    for (int i = 0; i < n; ++i) {
+      const int d = std::abs(at - taken[i] % kPage);
+      gap = std::min(gap, std::min(d, kPage - d));
+    }
+    if (gap > bestGap) best = shift, bestGap = gap;
+  }
+  return best;
+}
 
 uint64_t forkGeneration() { return forks.load(std::memory_order_relaxed); }
 

@@ -105,6 +105,12 @@ struct OpHeader {
   bool sameShape(const OpHeader& other, int fromDim) const;
 };
 
+// 4K aliasing: a load right after a store whose address agrees with it in the low 12 bits
+// stalls as if it read the stored address. Of the page offsets origin, origin + step, ...
+// (mod 4096), returns the shift from `origin` whose offset is farthest (circular distance) from
+// every offset in taken[0, n): where to put one more stream of a copy or reduction.
+int farthestPageShift(int origin, int step, const int* taken, int n);
+
 // How many fork()s separate this process from the one the engine was loaded in (0 there,
 // 1 in a forked child, ...). An object records it when created; a different value later
 // means the caller is a forked child holding a copy (it shares the parent's sockets and

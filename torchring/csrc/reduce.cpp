@@ -12,7 +12,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 
 #include <c10/util/Half.h>
@@ -95,27 +94,21 @@ struct Max {
   static inline A apply(A a, A b) { return (a < b || b != b) ? b : a; }
 };
 
-// Where in `space` (a page longer than needed) the accumulator starts: the multiple of
-// 256 bytes whose page offset is farthest from those of every stream the kernel loads or
-// stores. A load of src[i] right after the store to acc[i] stalls when the two addresses agree
-// in their low 12 bits (4K aliasing); a fixed place on the stack lines up with some tensors.
+// Where in `space` (a page longer than needed) the accumulator starts: the multiple of 256
+// bytes whose page offset is farthest from those of every stream the kernel loads or stores
+// (farthestPageShift). A load of src[i] right after the store to acc[i] stalls when the two
+// addresses alias; a fixed place on the stack lines up with some tensors.
+constexpr int kMaxStreams = 18;  // dst, dst2 and up to 16 sources
+
 template <typename Acc>
 Acc* placeAccumulator(Acc* space, const void* const* streams, int nstreams) {
-  constexpr int kPage = 4096, kStep = 256;
-  const auto offsetOf = [](const void* p) { return static_cast<int>(reinterpret_cast<uintptr_t>(p) % kPage); };
-  const int base = offsetOf(space);
-  int best = 0, bestGap = -1;
-  for (int shift = 0; shift < kPage; shift += kStep) {
-    const int at = (base + shift) % kPage;
-    int gap = kPage;
-    for (int i = 0; i < nstreams; ++i) {
-      if (streams[i] == nullptr) continue;
-      const int d = std::abs(at - offsetOf(streams[i]));
-      gap = std::min(gap, std::min(d, kPage - d));
-    }
-    if (gap > bestGap) best = shift, bestGap = gap;
+  int offsets[kMaxStreams];
+  int n = 0;
+  for (int i = 0; i < nstreams; ++i) {
+    if (streams[i] != nullptr) offsets[n++] = static_cast<int>(reinterpret_cast<uintptr_t>(streams[i]) % 4096);
   }
-  return reinterpret_cast<Acc*>(reinterpret_cast<char*>(space) + best);
+  const int origin = static_cast<int>(reinterpret_cast<uintptr_t>(space) % 4096);
+  return reinterpret_cast<Acc*>(reinterpret_cast<char*>(space) + farthestPageShift(origin, 256, offsets, n));
 }
 
 template <typename T, typename Op>
@@ -123,10 +116,9 @@ void reduceBlocks(T* dst, T* dst2, const T* const* srcs, int nsrc, size_t count,
                   double scale) {
   using C = Codec<T>;
   using Acc = typename C::Acc;
-  constexpr int kMaxStreams = 16;
   alignas(64) Acc space[kBlock + 4096 / sizeof(Acc)];
-  const void* streams[kMaxStreams + 2] = {dst, dst2};
-  const int nstreams = 2 + std::min(nsrc, kMaxStreams);
+  const void* streams[kMaxStreams] = {dst, dst2};
+  const int nstreams = 2 + std::min(nsrc, kMaxStreams - 2);
   for (int p = 0; p + 2 < nstreams; ++p) streams[p + 2] = srcs[p];
   Acc* acc = placeAccumulator(space, streams, nstreams);
   const bool doScale = scale != 1.0;

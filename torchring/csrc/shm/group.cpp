@@ -11,7 +11,6 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cstdlib>
 #include <cstring>
 #include <sstream>
 
@@ -219,15 +218,7 @@ std::vector<uint16_t> ShmGroup::stagingShifts(const std::vector<int>& pageOffset
   std::vector<int> taken(pageOffsets);
   std::vector<uint16_t> shifts;
   for (size_t i = 0; i < pageOffsets.size(); ++i) {
-    int best = 0, bestGap = -1;
-    for (int s = 0; s < static_cast<int>(kPage); s += 64) {
-      int gap = static_cast<int>(kPage);
-      for (int t : taken) {
-        const int d = std::abs(s - t);
-        gap = std::min(gap, std::min(d, static_cast<int>(kPage) - d));
-      }
-      if (gap > bestGap) best = s, bestGap = gap;
-    }
+    const int best = farthestPageShift(0, 64, taken.data(), static_cast<int>(taken.size()));
     shifts.push_back(static_cast<uint16_t>(best));
     taken.push_back(best);
   }

@@ -159,7 +159,6 @@ class ShmGroup {
   std::vector<uint16_t> shift_;  // per local index: where this allreduce is staged (staged())
   int ownCpus_ = 0;              // CPUs in this process's affinity mask
   bool onProgressThread_ = false;
-  uint64_t currentSeq_ = 0;
   OpHeader current_;             // the operation in progress, named by failure messages
   bool hasCurrent_ = false;
   std::string currentWhat() const { return hasCurrent_ ? current_.what() : std::string(); }

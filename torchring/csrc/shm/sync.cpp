@@ -1,8 +1,7 @@
 // How the ranks of a host synchronize through their regions: arrive (bump this rank's stamp)
 // and wait (spin, yield the CPU a few times, then sleep on a futex until a peer's stamp
 // reaches ours), with a check every kCheckInterval for a group-wide abort, a dead peer and
-// the timeout; the messages those
-// failures raise; and the progress words peers show in theirs.
+// the timeout; the messages those failures raise; and the progress words peers show in theirs.
 #include <linux/futex.h>
 #include <sched.h>
 #include <signal.h>
@@ -50,7 +49,6 @@ bool processAlive(int pid) {
 }  // namespace
 
 void ShmGroup::setCurrent(const OpHeader& header) {
-  currentSeq_ = header.seq;
   current_ = header;  // its words are made only if it fails
   hasCurrent_ = true;
   control(opt_.localIndex)->progress.store(header.seq << 1, std::memory_order_relaxed);
