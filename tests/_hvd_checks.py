@@ -423,20 +423,21 @@ def check_sync_and_async_forms_meet(c: Ctx) -> None:
 
 def check_duplicate_name(c: Ctx) -> None:
     """A second in-flight op with a name is a ValueError on that rank only; the first op still
-    completes once every rank submitted it, and the name can be reused afterwards."""
+    completes once every rank submitted it, and the name can be reused afterwards. Each rank checks
+    the duplicate while another rank has not yet submitted the name (behind a barrier), so the first
+    op cannot have finished in between."""
     hvd, me = c.hvd, c.rank
     xs = [val(r, (17, 3), torch.float32) for r in range(c.size)]
-    first = None
-    if me == 0:
-        first = hvd.allreduce_async(xs[me], name="dup", op=hvd.Sum)
-        c.raises("second 'dup' on rank 0", (ValueError,),
-                 lambda: hvd.allreduce_async(xs[me], name="dup", op=hvd.Sum), ["dup"])
-    hvd.barrier()
-    if me > 0:
-        first = hvd.allreduce_async(xs[me], name="dup", op=hvd.Sum)
-        c.raises(f"second 'dup' on rank {me}", (ValueError,),
-                 lambda: hvd.allreduce_async(xs[me], name="dup", op=hvd.Sum), ["dup"])
-    c.equal("the first 'dup' op", hvd.synchronize(first), reduce_ref(xs, hvd.Sum, hvd))
+    for checker, name in ((0, "dup"), (c.size - 1, "dup_last")):
+        first = None
+        if me == checker:
+            first = hvd.allreduce_async(xs[me], name=name, op=hvd.Sum)
+            c.raises(f"second {name!r} on rank {me}", (ValueError,),
+                     lambda: hvd.allreduce_async(xs[me], name=name, op=hvd.Sum), [name])
+        hvd.barrier()
+        if me != checker:
+            first = hvd.allreduce_async(xs[me], name=name, op=hvd.Sum)
+        c.equal(f"the first {name!r} op", hvd.synchronize(first), reduce_ref(xs, hvd.Sum, hvd))
     c.equal("'dup' reused after it finished", hvd.allreduce(xs[me], name="dup", op=hvd.Sum),
             reduce_ref(xs, hvd.Sum, hvd))
     if me == 0:
