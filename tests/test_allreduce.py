@@ -50,6 +50,28 @@ def _allreduce_cases(rank: int, sizes: list[int], big: bool) -> list[str]:
         return chk.failures
 
 
+def _staging_store_cases(rank: int) -> list[str]:
+    """The chunked staged path (several segments, a partial last one, a tensor that starts
+    4 bytes into its storage) in every dtype family; TORCHRING_SHM_STORES is set by the test."""
+    import torchring
+    from torchring import ReduceOp
+
+    with session():
+        world = torchring.size()
+        chk = Checker(rank)
+        for dtype in (torch.float32, torch.bfloat16, torch.float64, torch.int32, torch.uint8):
+            for op in [o for o in ("SUM", "MAX", "AVG") if o in valid_ops(dtype)]:
+                for n in (40_000, 3 * 2**18 + 5):
+                    for skip in (0, 1):
+                        base = rank_input(rank, world, n + skip, dtype, op)
+                        t = base[skip:]
+                        torchring.allreduce(t, getattr(ReduceOp, op))
+                        want = expected_allreduce(world, n + skip, dtype, op)[skip:]
+                        chk.equal(f"allreduce({dtype}[{n}] at element {skip}, {op})", t, want,
+                                  exact=op != "AVG")
+        return chk.failures
+
+
 def _wide_accumulation_cases(rank: int) -> list[str]:
     """16-bit SUMs accumulate in float32: big + 1 + 1 (+ 1) must round once, at the end.
 
@@ -205,6 +227,13 @@ def test_world1() -> None:
 def test_sweep(transport: str, world: int) -> None:
     results = spawn(world, _allreduce_cases, SIZES, world < 4, env={"TORCHRING_TRANSPORT": transport})
     assert_no_failures(results)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("stores", ["cached", "streaming", "auto"])
+def test_staging_stores(stores: str, world: int) -> None:
+    env = {"TORCHRING_TRANSPORT": "shm", "TORCHRING_SHM_STORES": stores}
+    assert_no_failures(spawn(world, _staging_store_cases, env=env))
 
 
 @pytest.mark.parametrize("hosts", ["aabb", "abb"])

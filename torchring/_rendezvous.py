@@ -125,6 +125,7 @@ def communicator(engine: Any, rank: int, world: int, groups: list[list[int]], se
     options.timeout, options.secret = settings.timeout, secret
     options.segment_bytes = settings.shm_segment_kb << 10
     options.arena_bytes = settings.shm_arena_mb << 20
+    options.staging_stores = ("auto", "cached", "streaming").index(settings.shm_stores)
     options.spin_iters = settings.spin_iters(len(my_group), _env.available_cpus())
     options.spin_auto = settings.spin is None
     for field, value in overrides.items():

@@ -40,6 +40,7 @@ class Settings:
     bind_addr: str | None = None     # TORCHRING_BIND_ADDR: None = loopback for a loopback addr, else all
     shm_segment_kb: int = 1024       # TORCHRING_SHM_SEGMENT_KB (alias TORCHRING_SHM_CHUNK_KB)
     shm_arena_mb: int = 2048         # TORCHRING_SHM_ARENA_MB (0: torchring.empty uses plain memory)
+    shm_stores: str = "auto"         # TORCHRING_SHM_STORES: auto, cached or streaming staging writes
     spin: int | None = None          # TORCHRING_SPIN: None = 20000, or 200 when ranks outnumber cores
     grad_pool_mb: float | None = None  # TORCHRING_GRAD_POOL_MB: None = auto, 0 = off
     cache_dir: str = dataclasses.field(default_factory=lambda: str(cache_dir({})))  # TORCHRING_CACHE_DIR
@@ -188,6 +189,7 @@ _VARIABLES = (
     _Variable("TORCHRING_BIND_ADDR", "bind_addr", _ipv4, "(all interfaces)"),
     _Variable("TORCHRING_SHM_SEGMENT_KB", "shm_segment_kb", _integer(4, 1 << 20, "number of KiB"), "1024"),
     _Variable("TORCHRING_SHM_ARENA_MB", "shm_arena_mb", _integer(0, 1 << 20, "number of MiB"), "2048"),
+    _Variable("TORCHRING_SHM_STORES", "shm_stores", _choice("auto", "cached", "streaming"), "auto"),
     _Variable("TORCHRING_SPIN", "spin", _integer(0, 10 ** 8, "number of iterations"),
               "(20000, or 200 when ranks outnumber cores)"),
     _Variable("TORCHRING_GRAD_POOL_MB", "grad_pool_mb", _pool_mb, "auto"),

@@ -11,6 +11,7 @@
 #include "communicator.h"
 #include "grad_pool.h"
 #include "reduce.h"
+#include "stores.h"
 #ifdef TORCHRING_WITH_NCCL
 #include "cuda/nccl.h"
 #endif
@@ -166,6 +167,35 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return torchring::ShmGroup::cpusSuffice(masks);
       },
       py::arg("cpu_sets"));
+  // The staging-store rule (stores.h) on given timings: copy i of `bytes` takes
+  // cached_seconds[i] or streaming_seconds[i], in the mode the chooser picks; returns the
+  // modes picked (True: streaming).
+  m.def(
+      "_store_choices",
+      [](const std::vector<double>& cachedSeconds, const std::vector<double>& streamingSeconds,
+         size_t bytes) {
+        TORCH_CHECK_VALUE(cachedSeconds.size() == streamingSeconds.size(),
+                          "_store_choices: give one cached and one streaming time per copy");
+        torchring::StoreChooser chooser;
+        std::vector<bool> picked;
+        for (size_t i = 0; i < cachedSeconds.size(); ++i) {
+          const bool stream = bytes >= torchring::StoreChooser::kMinBytes && chooser.streaming();
+          picked.push_back(stream);
+          chooser.record(stream, bytes, stream ? streamingSeconds[i] : cachedSeconds[i]);
+        }
+        return picked;
+      },
+      py::arg("cached_seconds"), py::arg("streaming_seconds"), py::arg("bytes"));
+  m.def(
+      "_stream_copy",
+      [](at::Tensor dst, const at::Tensor& src) {
+        TORCH_CHECK_VALUE(dst.is_contiguous() && src.is_contiguous() && dst.nbytes() == src.nbytes() &&
+                              dst.device().is_cpu() && src.device().is_cpu(),
+                          "_stream_copy: two contiguous CPU tensors of the same size");
+        torchring::streamCopy(dst.data_ptr(), src.data_ptr(), src.nbytes());
+        torchring::streamFence();
+      },
+      py::arg("dst"), py::arg("src"));
   m.def("grad_pool_install", &gradpool::install, py::arg("limit_bytes"));
   m.def("grad_pool_begin", &gradpool::begin);
   m.def("grad_pool_end", &gradpool::end, py::arg("task"));
@@ -213,7 +243,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("secret", &CommOptions::secret, "per-job token every TCP handshake presents")
       .def_readwrite("label", &CommOptions::label, "put in front of failure messages (a group's)")
       .def_readwrite("one_shot_bytes", &CommOptions::oneShotBytes,
-                     "internal, for tests: largest staged shared-memory allreduce run one-shot");
+                     "internal, for tests: largest staged shared-memory allreduce run one-shot")
+      .def_readwrite("staging_stores", &CommOptions::stagingStores,
+                     "stores for shared-memory staging writes: 0 auto (measured), 1 cached, 2 streaming");
 
 #ifdef TORCHRING_WITH_NCCL
   using torchring::NcclComm;

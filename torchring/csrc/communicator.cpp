@@ -73,6 +73,7 @@ Communicator::Communicator(CommOptions options)
     so.localIndex = localIndex_;
     so.segmentBytes = opt_.segmentBytes;
     so.oneShotBytes = opt_.oneShotBytes;
+    so.stagingStores = static_cast<StorePolicy>(opt_.stagingStores);
     so.arenaBytes = opt_.arenaBytes;
     so.timeoutSec = opt_.timeoutSec;
     so.spinIters = opt_.spinIters;

@@ -49,6 +49,9 @@ struct CommOptions {
   // (every rank reduces all of it). Tests set it to 0 to reach the chunked path with small
   // tensors, as segmentBytes (at least a page) reaches the multi-segment paths.
   size_t oneShotBytes = ShmOptions::kDefaultOneShotBytes;
+  // Stores for the shared-memory staging writes: 0 measured while running, 1 cached,
+  // 2 streaming (StorePolicy, stores.h; TORCHRING_SHM_STORES).
+  int stagingStores = 0;
   // Random per-job token every TCP handshake must present.
   std::string secret;
   // For a group's communicator: put in front of its operations' failure messages, e.g.

@@ -3,7 +3,7 @@
 // The n-way reduction walks the inputs in blocks of kBlock elements. For each block it
 // loads srcs[0] into an accumulator array `acc` (float32 for 16-bit floats), folds in
 // srcs[1..n-1] one after another while the block stays in L1, optionally scales, and
-// stores the block to dst (and dst2). `acc` sits on the stack where its page offset is far
+// stores the block to dst (and dst2, with streaming stores when asked: stores.h). `acc` sits on the stack where its page offset is far
 // from every stream's (placeAccumulator: 4K aliasing). Each inner loop is a plain loop over
 // `acc`, which the compiler vectorizes (the build uses -O3 and the host's instruction set). bfloat16
 // is widened by a shift and narrowed with round-to-nearest-even; float16 uses the
@@ -15,6 +15,8 @@
 #include <cstring>
 
 #include <c10/util/Half.h>
+
+#include "stores.h"
 
 namespace torchring {
 namespace {
@@ -113,7 +115,7 @@ Acc* placeAccumulator(Acc* space, const void* const* streams, int nstreams) {
 
 template <typename T, typename Op>
 void reduceBlocks(T* dst, T* dst2, const T* const* srcs, int nsrc, size_t count,
-                  double scale) {
+                  double scale, bool streamDst2) {
   using C = Codec<T>;
   using Acc = typename C::Acc;
   alignas(64) Acc space[kBlock + 4096 / sizeof(Acc)];
@@ -136,26 +138,32 @@ void reduceBlocks(T* dst, T* dst2, const T* const* srcs, int nsrc, size_t count,
     }
     T* out = dst + base;
     for (size_t i = 0; i < len; ++i) out[i] = C::store(acc[i]);
-    if (dst2 != nullptr) std::memcpy(dst2 + base, out, len * sizeof(T));
+    if (dst2 == nullptr) continue;
+    if (streamDst2) {
+      streamCopy(dst2 + base, out, len * sizeof(T));
+    } else {
+      std::memcpy(dst2 + base, out, len * sizeof(T));
+    }
   }
+  if (streamDst2) streamFence();
 }
 
 template <typename T>
 void reduceTyped(void* dst, void* dst2, const void* const* srcs, int nsrc, size_t count,
-                 ReduceOp op, double scale) {
+                 ReduceOp op, double scale, bool stream) {
   auto* d = static_cast<T*>(dst);
   auto* d2 = static_cast<T*>(dst2);
   auto* s = reinterpret_cast<const T* const*>(srcs);
   switch (op) {
     case ReduceOp::SUM:
     case ReduceOp::AVG:
-      return reduceBlocks<T, Sum>(d, d2, s, nsrc, count, scale);
+      return reduceBlocks<T, Sum>(d, d2, s, nsrc, count, scale, stream);
     case ReduceOp::PRODUCT:
-      return reduceBlocks<T, Prod>(d, d2, s, nsrc, count, scale);
+      return reduceBlocks<T, Prod>(d, d2, s, nsrc, count, scale, stream);
     case ReduceOp::MIN:
-      return reduceBlocks<T, Min>(d, d2, s, nsrc, count, scale);
+      return reduceBlocks<T, Min>(d, d2, s, nsrc, count, scale, stream);
     case ReduceOp::MAX:
-      return reduceBlocks<T, Max>(d, d2, s, nsrc, count, scale);
+      return reduceBlocks<T, Max>(d, d2, s, nsrc, count, scale, stream);
   }
 }
 
@@ -217,19 +225,19 @@ void narrowFromFloat(void* dst, const float* src, size_t count, DType dtype, dou
 }
 
 void reduceInto(void* dst, void* dst2, const void* const* srcs, int nsrc, size_t count,
-                DType dtype, ReduceOp op, double scale) {
+                DType dtype, ReduceOp op, double scale, bool streamDst2) {
   if (count == 0) return;
   switch (dtype) {
-    case DType::F32: return reduceTyped<float>(dst, dst2, srcs, nsrc, count, op, scale);
-    case DType::F64: return reduceTyped<double>(dst, dst2, srcs, nsrc, count, op, scale);
-    case DType::F16: return reduceTyped<F16>(dst, dst2, srcs, nsrc, count, op, scale);
-    case DType::BF16: return reduceTyped<BF16>(dst, dst2, srcs, nsrc, count, op, scale);
-    case DType::I8: return reduceTyped<int8_t>(dst, dst2, srcs, nsrc, count, op, 1.0);
+    case DType::F32: return reduceTyped<float>(dst, dst2, srcs, nsrc, count, op, scale, streamDst2);
+    case DType::F64: return reduceTyped<double>(dst, dst2, srcs, nsrc, count, op, scale, streamDst2);
+    case DType::F16: return reduceTyped<F16>(dst, dst2, srcs, nsrc, count, op, scale, streamDst2);
+    case DType::BF16: return reduceTyped<BF16>(dst, dst2, srcs, nsrc, count, op, scale, streamDst2);
+    case DType::I8: return reduceTyped<int8_t>(dst, dst2, srcs, nsrc, count, op, 1.0, streamDst2);
     case DType::U8:
-    case DType::BOOL: return reduceTyped<uint8_t>(dst, dst2, srcs, nsrc, count, op, 1.0);
-    case DType::I16: return reduceTyped<int16_t>(dst, dst2, srcs, nsrc, count, op, 1.0);
-    case DType::I32: return reduceTyped<int32_t>(dst, dst2, srcs, nsrc, count, op, 1.0);
-    case DType::I64: return reduceTyped<int64_t>(dst, dst2, srcs, nsrc, count, op, 1.0);
+    case DType::BOOL: return reduceTyped<uint8_t>(dst, dst2, srcs, nsrc, count, op, 1.0, streamDst2);
+    case DType::I16: return reduceTyped<int16_t>(dst, dst2, srcs, nsrc, count, op, 1.0, streamDst2);
+    case DType::I32: return reduceTyped<int32_t>(dst, dst2, srcs, nsrc, count, op, 1.0, streamDst2);
+    case DType::I64: return reduceTyped<int64_t>(dst, dst2, srcs, nsrc, count, op, 1.0, streamDst2);
   }
 }
 

@@ -10,8 +10,9 @@ namespace torchring {
 // Reads each source once and writes dst (and dst2 when not null) once: the n-way
 // reduction is one pass, not n-1 pairwise passes. dst and dst2 may alias any source.
 // float16/bfloat16 accumulate in float32 and are rounded once, to nearest even.
+// streamDst2: write dst2 with streaming stores (stores.h; fenced before returning).
 void reduceInto(void* dst, void* dst2, const void* const* srcs, int nsrc, size_t count,
-                DType dtype, ReduceOp op, double scale = 1.0);
+                DType dtype, ReduceOp op, double scale = 1.0, bool streamDst2 = false);
 
 // dst[i] = float(srcs[0][i] op ... op srcs[nsrc-1][i]) for 16-bit float sources: the
 // float32 partial sums that leaders send around the TCP ring.

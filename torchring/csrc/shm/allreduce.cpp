@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "../reduce.h"
+#include "../stores.h"
 #include "group.h"
 #include "region.h"
 
@@ -32,7 +33,9 @@ std::pair<size_t, size_t> chunkOf(int index, int n, size_t count, size_t esize) 
 // tensor), waits, reduces its chunk from its tensor and the n-1 peers' staging buffers into
 // both its staging buffer and its tensor; waits; copies the other chunks out of their owners'
 // staging buffers. Per element a rank reads and writes 2 bytes for every byte of the tensor
-// (not 2.5 at n = 2, as when it also staged its own chunk).
+// (not 2.5 at n = 2, as when it also staged its own chunk). Its writes into its staging buffer
+// use the stores that stores_ picks (cached or streaming, stores.h); the copy out into its own
+// tensor stays cached.
 // Segments alternate between two staging buffers, so writing segment k+1 never races with
 // peers still reading segment k, and the wait at segment k+1 proves every peer is done with
 // segment k before segment k+2 reuses its buffer: no trailing barrier.
@@ -64,20 +67,25 @@ void ShmGroup::allreduce(char* data, size_t count, DType dtype, ReduceOp op, dou
     auto [lo, hi] = chunkOf(me, n, len, esize);
     if (oneShot) {
       std::memcpy(staged(me, buf), segment, len * esize);
-    } else {
-      std::memcpy(staged(me, buf), segment, lo * esize);
-      std::memcpy(staged(me, buf) + hi * esize, segment + hi * esize, (len - hi) * esize);
-    }
-    arrive();
-    waitAll();
-    if (oneShot) {
+      arrive();
+      waitAll();
       for (int p = 0; p < n; ++p) srcs[p] = staged(p, buf);
       reduceInto(segment, nullptr, srcs.data(), n, len, dtype, op, scale);
       continue;
     }
+    // The staging writes (the copy-in, the reduced chunk) stream when stores_ says so
+    // (stores.h); the segment is timed for it.
+    const bool timed = (len - (hi - lo)) * esize >= StoreChooser::kMinBytes;
+    const bool stream = timed && stores_.streaming();
+    const auto segmentStart = Clock::now();
+    copyWith(stream, staged(me, buf), segment, lo * esize);
+    copyWith(stream, staged(me, buf) + hi * esize, segment + hi * esize, (len - hi) * esize);
+    if (stream) streamFence();
+    arrive();
+    waitAll();
     for (int p = 0; p < n; ++p) srcs[p] = (p == me ? segment : staged(p, buf)) + lo * esize;
-    reduceInto(staged(me, buf) + lo * esize, segment + lo * esize, srcs.data(), n, hi - lo,
-               dtype, op, scale);
+    reduceInto(segment + lo * esize, staged(me, buf) + lo * esize, srcs.data(), n, hi - lo,
+               dtype, op, scale, stream);
     arrive();
     waitAll();
     for (int p = 0; p < n; ++p) {
@@ -85,6 +93,7 @@ void ShmGroup::allreduce(char* data, size_t count, DType dtype, ReduceOp op, dou
       auto [plo, phi] = chunkOf(p, n, len, esize);
       std::memcpy(segment + plo * esize, staged(p, buf) + plo * esize, (phi - plo) * esize);
     }
+    if (timed) stores_.record(stream, len * esize, secondsSince(segmentStart));
   }
 }
 

@@ -51,7 +51,7 @@ int countCpus(const uint64_t (&words)[16]) {
 using shm::kPage;
 using shm::roundUp;
 
-ShmGroup::ShmGroup(ShmOptions options) : opt_(std::move(options)) {
+ShmGroup::ShmGroup(ShmOptions options) : opt_(std::move(options)), stores_(opt_.stagingStores) {
   controlBytes_ = roundUp(sizeof(Control), kPage);
   tableBytes_ = roundUp(2 * opt_.worldSize * sizeof(OpHeader), kPage);
   stagingOffset_ = controlBytes_ + tableBytes_;

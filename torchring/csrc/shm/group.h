@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "../common.h"
+#include "../stores.h"
 #include "arena.h"
 
 namespace torchring {
@@ -36,6 +37,8 @@ struct ShmOptions {
   // message (one synchronization per segment); above it, each rank reduces its chunk.
   size_t oneShotBytes = kDefaultOneShotBytes;
   static constexpr size_t kDefaultOneShotBytes = 128 << 10;
+  // Cached or streaming stores for staging writes, or AUTO: measured while running (stores.h).
+  StorePolicy stagingStores = StorePolicy::AUTO;
 };
 
 // Each rank owns one region: [control | header tables | 2 staging buffers | p2p rings | arena]
@@ -156,6 +159,7 @@ class ShmGroup {
   uint32_t stamp_ = 0;           // phases this rank completed (mirrors its control stamp)
   uint64_t bufferCounter_ = 0;   // segments staged so far; parity picks the staging buffer
   int prestaged_ = -1;           // staging buffer holding this operation's data, or -1
+  StoreChooser stores_;          // cached or streaming staging writes (stores.h)
   std::vector<uint16_t> shift_;  // per local index: where this allreduce is staged (staged())
   int ownCpus_ = 0;              // CPUs in this process's affinity mask
   bool onProgressThread_ = false;
