@@ -3,8 +3,9 @@
 // The n-way reduction walks the inputs in blocks of kBlock elements. For each block it
 // loads srcs[0] into an accumulator array `acc` (float32 for 16-bit floats), folds in
 // srcs[1..n-1] one after another while the block stays in L1, optionally scales, and
-// stores the block to dst (and dst2, with streaming stores when asked: stores.h). `acc` sits on the stack where its page offset is far
-// from every stream's (placeAccumulator: 4K aliasing). Each inner loop is a plain loop over
+// stores the block to dst (and copies it to dst2, with streaming stores when asked:
+// stores.h). `acc` sits on the stack where its page offset is far from every stream's
+// (placeAccumulator: 4K aliasing). Each inner loop is a plain loop over
 // `acc`, which the compiler vectorizes (the build uses -O3 and the host's instruction set). bfloat16
 // is widened by a shift and narrowed with round-to-nearest-even; float16 uses the
 // compiler's _Float16 conversions (F16C instructions where the CPU has them).
