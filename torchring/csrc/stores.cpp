@@ -13,6 +13,7 @@ namespace torchring {
 // Ordinary copies up to the first 16-byte boundary of dst and after the last one; 16-byte
 // streaming stores (SSE2, present on every x86-64) in between, four per 64-byte line.
 void streamCopy(void* dst, const void* src, size_t n) {
+  if (n == 0) return;  // an empty tensor's pointers may be null, which memcpy must not get
 #if defined(__x86_64__)
   auto* d = static_cast<char*>(dst);
   const auto* s = static_cast<const char*>(src);
