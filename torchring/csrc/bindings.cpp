@@ -167,9 +167,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return torchring::ShmGroup::cpusSuffice(masks);
       },
       py::arg("cpu_sets"));
-  // The staging-store rule (stores.h) on given timings: copy i of `bytes` takes
-  // cached_seconds[i] or streaming_seconds[i], in the mode the chooser picks; returns the
-  // modes picked (True: streaming).
+  // The staging-store rule (stores.h) on given timings: segment i, which copies `bytes` in,
+  // takes cached_seconds[i] or streaming_seconds[i], in the mode the chooser picks; returns
+  // the modes picked (True: streaming).
   m.def(
       "_store_choices",
       [](const std::vector<double>& cachedSeconds, const std::vector<double>& streamingSeconds,
@@ -179,7 +179,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         torchring::StoreChooser chooser;
         std::vector<bool> picked;
         for (size_t i = 0; i < cachedSeconds.size(); ++i) {
-          const bool stream = bytes >= torchring::StoreChooser::kMinBytes && chooser.streaming();
+          const bool stream = chooser.streaming(bytes);
           picked.push_back(stream);
           chooser.record(stream, bytes, stream ? streamingSeconds[i] : cachedSeconds[i]);
         }

@@ -45,14 +45,15 @@ void streamFence() {
 #endif
 }
 
-bool StoreChooser::streaming() const {
+bool StoreChooser::streaming(size_t copyBytes) const {
+  if (copyBytes < kMinBytes) return false;
   if (policy_ != StorePolicy::AUTO) return policy_ == StorePolicy::STREAMING;
   return sinceProbe_ >= probeEvery_ ? !current_ : current_;
 }
 
-void StoreChooser::record(bool streamed, size_t bytes, double seconds) {
-  if (policy_ != StorePolicy::AUTO || bytes < kMinBytes) return;
-  const double perByte = seconds / static_cast<double>(bytes);
+void StoreChooser::record(bool streamed, size_t copyBytes, double seconds) {
+  if (policy_ != StorePolicy::AUTO || copyBytes < kMinBytes) return;
+  const double perByte = seconds / static_cast<double>(copyBytes);
   if (streamed == current_) {
     perByte_ = perByte_ == 0 ? perByte : 0.75 * perByte_ + 0.25 * perByte;
     ++sinceProbe_;

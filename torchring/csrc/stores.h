@@ -35,27 +35,28 @@ inline void copyWith(bool stream, void* dst, const void* src, size_t n) {
 enum class StorePolicy : int { AUTO = 0, CACHED = 1, STREAMING = 2 };
 
 // Picks cached or streaming stores for the staging writes of the next segment from the times
-// of whole segments (copy in, reduce, copy out, and the waits between: streaming stores make
-// the copy in cheaper when the cores are far apart, and the peers' reads of the staged data
-// dearer when they are close, so only the whole segment tells). The current mode's time per
-// byte is a moving average of its segments; every probeEvery_ segments one uses the other mode
-// (every rank of the host probes on the same segment while their choosers agree, as they run
-// the same collectives). A probe faster than kSwitch of the average switches
+// of whole segments per byte copied in (copy in, reduce, copy out, and the waits between:
+// streaming stores make the copy in cheaper when the cores are far apart, and the peers' reads
+// of the staged data dearer when they are close, so only the whole segment tells). The current
+// mode's time per byte is a moving average of its segments; every probeEvery_ segments one
+// uses the other mode (every rank of the host probes on the same segment while their choosers
+// agree, as they run the same collectives). A probe faster than kSwitch of the average switches
 // modes; a probe that loses doubles probeEvery_ (up to kMaxProbe), so the loser costs at most
 // one segment in kMaxProbe once the choice is settled, and a host that moves the vCPUs is
 // noticed within kMaxProbe segments. A pure class: tests feed it timings (bindings).
 class StoreChooser {
  public:
   explicit StoreChooser(StorePolicy policy = StorePolicy::AUTO) : policy_(policy) {}
-  // True when the next segment's staging writes should stream.
-  bool streaming() const;
-  // A segment of `bytes` in the mode streaming() returned took `seconds`.
-  void record(bool streamed, size_t bytes, double seconds);
+  // True when the staging writes of the next segment, which copies `copyBytes` in, should
+  // stream; never for a copy under kMinBytes.
+  bool streaming(size_t copyBytes) const;
+  // That segment, in the mode streaming() returned, took `seconds`; ignored under kMinBytes.
+  void record(bool streamed, size_t copyBytes, double seconds);
 
   static constexpr uint64_t kFirstProbe = 16, kMaxProbe = 1024;
   static constexpr double kSwitch = 0.8;
-  // Segments whose copy in is smaller than this are not timed (clock noise) and use ordinary
-  // stores.
+  // Segments that copy in less than this use ordinary stores and are not counted (their time
+  // is mostly the synchronizations, and clock noise).
   static constexpr size_t kMinBytes = 64 << 10;
 
  private:

@@ -75,8 +75,8 @@ void ShmGroup::allreduce(char* data, size_t count, DType dtype, ReduceOp op, dou
     }
     // The staging writes (the copy-in, the reduced chunk) stream when stores_ says so
     // (stores.h); the segment is timed for it.
-    const bool timed = (len - (hi - lo)) * esize >= StoreChooser::kMinBytes;
-    const bool stream = timed && stores_.streaming();
+    const size_t inBytes = (len - (hi - lo)) * esize;
+    const bool stream = stores_.streaming(inBytes);
     const auto segmentStart = Clock::now();
     copyWith(stream, staged(me, buf), segment, lo * esize);
     copyWith(stream, staged(me, buf) + hi * esize, segment + hi * esize, (len - hi) * esize);
@@ -93,7 +93,7 @@ void ShmGroup::allreduce(char* data, size_t count, DType dtype, ReduceOp op, dou
       auto [plo, phi] = chunkOf(p, n, len, esize);
       std::memcpy(segment + plo * esize, staged(p, buf) + plo * esize, (phi - plo) * esize);
     }
-    if (timed) stores_.record(stream, len * esize, secondsSince(segmentStart));
+    stores_.record(stream, inBytes, secondsSince(segmentStart));
   }
 }
 
