@@ -41,7 +41,7 @@ class Settings:
     shm_segment_kb: int = 1024       # TORCHRING_SHM_SEGMENT_KB (alias TORCHRING_SHM_CHUNK_KB)
     shm_arena_mb: int = 2048         # TORCHRING_SHM_ARENA_MB (0: torchring.empty uses plain memory)
     shm_stores: str = "auto"         # TORCHRING_SHM_STORES: auto, cached or streaming staging writes
-    spin: int | None = None          # TORCHRING_SPIN: None = 20000, or 200 when ranks outnumber cores
+    spin: int | None = None          # TORCHRING_SPIN: None = 20000, or 0 when ranks outnumber cores
     grad_pool_mb: float | None = None  # TORCHRING_GRAD_POOL_MB: None = auto, 0 = off
     cache_dir: str = dataclasses.field(default_factory=lambda: str(cache_dir({})))  # TORCHRING_CACHE_DIR
     cuda_path: str = "auto"          # TORCHRING_CUDA_PATH: auto, nccl, staged or off
@@ -75,11 +75,11 @@ class Settings:
         return cls.from_env({k: env[k] for k in keys if k in env})
 
     def spin_iters(self, ranks_here: int, cpus: int) -> int:
-        """Busy-wait iterations: TORCHRING_SPIN, else 20000, or 200 when this host's ranks
+        """Busy-wait iterations: TORCHRING_SPIN, else 20000, or 0 when this host's ranks
         outnumber its CPUs (spinning would then steal the CPU the awaited rank needs)."""
         if self.spin is not None:
             return self.spin
-        return 20000 if ranks_here <= cpus else 200
+        return 20000 if ranks_here <= cpus else 0
 
 
 def cache_dir(env: Mapping[str, str]) -> Path:
@@ -191,7 +191,7 @@ _VARIABLES = (
     _Variable("TORCHRING_SHM_ARENA_MB", "shm_arena_mb", _integer(0, 1 << 20, "number of MiB"), "2048"),
     _Variable("TORCHRING_SHM_STORES", "shm_stores", _choice("auto", "cached", "streaming"), "auto"),
     _Variable("TORCHRING_SPIN", "spin", _integer(0, 10 ** 8, "number of iterations"),
-              "(20000, or 200 when ranks outnumber cores)"),
+              "(20000, or 0 when ranks outnumber cores)"),
     _Variable("TORCHRING_GRAD_POOL_MB", "grad_pool_mb", _pool_mb, "auto"),
     _Variable("TORCHRING_CACHE_DIR", "cache_dir", _text, "~/.cache/torchring"),
     _Variable("TORCHRING_CUDA_PATH", "cuda_path", _choice("auto", "nccl", "staged", "off"), "auto"),

@@ -160,14 +160,14 @@ void ShmGroup::attach(const std::vector<std::string>& names) {
 // happen when the ranks' sets are pairwise disjoint (mpirun --bind-to core, srun --cpu-bind,
 // taskset per rank: every rank has cores of its own), nor when together they hold at least
 // one CPU per rank (the scheduler spreads them). Otherwise (ranks outnumber the CPUs they
-// may use) a wait spins briefly and sleeps.
+// may use) a wait does not spin: it yields, then sleeps.
 void ShmGroup::chooseSpin() {
   if (!opt_.spinAuto) return;
   std::vector<std::array<uint64_t, 16>> masks(localSize());
   for (int i = 0; i < localSize(); ++i) {
     std::copy(std::begin(control(i)->cpus), std::end(control(i)->cpus), masks[i].begin());
   }
-  opt_.spinIters = cpusSuffice(masks) ? ShmOptions::kLongSpin : ShmOptions::kShortSpin;
+  opt_.spinIters = cpusSuffice(masks) ? ShmOptions::kLongSpin : ShmOptions::kNoSpin;
 }
 
 bool ShmGroup::cpusSuffice(const std::vector<std::array<uint64_t, 16>>& masks) {

@@ -32,7 +32,9 @@ struct ShmOptions {
   int spinIters = 20000;        // busy-wait iterations before sleeping on a futex
   // Replace spinIters at attach by the CPU-set rule (group.cpp, chooseSpin).
   bool spinAuto = false;
-  static constexpr int kLongSpin = 20000, kShortSpin = 200;
+  // Ranks that outnumber their CPUs do not spin: a wait yields at once (spinning 200 pauses
+  // first doubled a 4-byte allreduce at world 3 on 2 CPUs; benchmarks/RESULTS.md).
+  static constexpr int kLongSpin = 20000, kNoSpin = 0;
   // A staged allreduce of at most this many bytes is one-shot: every rank reduces the whole
   // message (one synchronization per segment); above it, each rank reduces its chunk.
   size_t oneShotBytes = kDefaultOneShotBytes;
