@@ -252,8 +252,9 @@ void TcpRing::fail(const std::string& why, bool left, const std::string& advice)
 }
 
 void TcpRing::exchange(const std::vector<Span>& send, const std::vector<Span>& recv,
-                       const std::function<void(size_t)>& onRecv) {
-  size_t sendIdx = 0, sendOff = 0, recvIdx = 0, recvOff = 0, received = 0;
+                       const std::function<void(size_t)>& onRecv,
+                       const std::function<size_t()>& sendable) {
+  size_t sendIdx = 0, sendOff = 0, recvIdx = 0, recvOff = 0, received = 0, sent = 0;
   auto skipEmpty = [](const std::vector<Span>& spans, size_t& idx, size_t& off) {
     while (idx < spans.size() && off == spans[idx].bytes) {
       ++idx;
@@ -266,18 +267,28 @@ void TcpRing::exchange(const std::vector<Span>& send, const std::vector<Span>& r
     skipEmpty(recv, recvIdx, recvOff);
     const bool sending = sendIdx < send.size(), receiving = recvIdx < recv.size();
     if (!sending && !receiving) return;
+    // What may go now: the rest of this span, or less where the stream waits for received data.
+    size_t allowed = sending ? send[sendIdx].bytes - sendOff : 0;
+    if (sending && sendable) {
+      const size_t limit = sendable();
+      allowed = std::min(allowed, limit > sent ? limit - sent : 0);
+    }
+    if (sending && allowed == 0 && !receiving) {
+      fail("internal error: the send stream waits for data, but nothing is left to receive from", true);
+    }
     pollfd fds[2];
     int nfds = 0;
-    if (sending) fds[nfds++] = {sendFd_, POLLOUT, 0};
+    if (allowed > 0) fds[nfds++] = {sendFd_, POLLOUT, 0};
     if (receiving) fds[nfds++] = {recvFd_, POLLIN, 0};
     int rc = poll(fds, nfds, 100);
     if (rc < 0 && errno != EINTR) fail(std::string("poll failed: ") + std::strerror(errno), receiving);
     bool progressed = false;
-    if (sending) {
+    if (allowed > 0) {
       const Span& s = send[sendIdx];
-      ssize_t w = ::send(sendFd_, s.data + sendOff, s.bytes - sendOff, MSG_NOSIGNAL | MSG_DONTWAIT);
+      ssize_t w = ::send(sendFd_, s.data + sendOff, allowed, MSG_NOSIGNAL | MSG_DONTWAIT);
       if (w > 0) {
         sendOff += static_cast<size_t>(w);
+        sent += static_cast<size_t>(w);
         progressed = true;
       } else if (w < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
         fail(std::string("lost the connection (") + std::strerror(errno) +
@@ -320,8 +331,14 @@ void TcpRing::exchange(const std::vector<Span>& send, const std::vector<Span>& r
 // the bytes arrive (so reduction overlaps the transfer). After n-1 steps member `me` holds
 // the complete chunk (me + 1). In allgather step s it sends chunk (me + 1 - s) and receives
 // chunk (me - s) straight into place. Each member sends 2(n-1)/n of the buffer in total.
+// The 2(n-1) steps are one stream each way, not one exchange per step: span j of the send
+// stream is the chunk that span j-1 of the receive stream brings (folded in reduce-scatter,
+// final in allgather), so its bytes may go as soon as they are folded or arrived (sendable);
+// the link to the right then never waits for a step to end (at the step between the phases
+// it used to idle until the last segment of the left's chunk had arrived).
 // 16-bit floats travel as float32 partial sums in reduce-scatter (exact accumulation, 1.5x
-// the bytes of a 16-bit ring) and are rounded once before the 16-bit allgather.
+// the bytes of a 16-bit ring) and are rounded once, segment by segment, before the 16-bit
+// allgather; a scale is applied to the complete chunk the same way.
 void TcpRing::allreduce(char* data, size_t count, DType dtype, ReduceOp op, double scale,
                         float* hostSum) {
   const int n = opt_.ringSize, me = opt_.ringIndex;
@@ -343,32 +360,62 @@ void TcpRing::allreduce(char* data, size_t count, DType dtype, ReduceOp op, doub
   };
   scratch_.resize((count / n + 1) * esize);
   const size_t segBytes = std::max(esize, opt_.segmentBytes / esize * esize);
+  const int steps = 2 * (n - 1), lastFold = n - 2;  // spans 0..lastFold are reduce-scatter's
+  std::vector<Span> send, recv;
+  std::vector<size_t> recvChunk(steps);  // chunk index of receive span j
   for (int s = 0; s < n - 1; ++s) {
     auto [sendStart, sendLen] = chunkOf(me - s);
-    auto [recvStart, recvLen] = chunkOf(me - s - 1);
-    char* target = work + recvStart * esize;
-    size_t reduced = 0;  // bytes of the received chunk already folded in
-    auto fold = [&](size_t received) {
-      size_t ready = received == recvLen * esize ? received : received / segBytes * segBytes;
-      if (ready <= reduced) return;
-      const void* srcs[2] = {target + reduced, scratch_.data() + reduced};
-      reduceInto(target + reduced, nullptr, srcs, 2, (ready - reduced) / esize, workType, op);
-      reduced = ready;
-    };
-    exchange({{work + sendStart * esize, sendLen * esize}}, {{scratch_.data(), recvLen * esize}}, fold);
-  }
-  auto [ownStart, ownLen] = chunkOf(me + 1);  // complete here: scale it once, round it once
-  if (half) {
-    narrowFromFloat(data + ownStart * outSize, hostSum + ownStart, ownLen, dtype, scale);
-  } else if (scale != 1.0) {
-    scaleInPlace(data + ownStart * outSize, ownLen, dtype, scale);
+    send.push_back({work + sendStart * esize, sendLen * esize});
+    recvChunk[s] = ((me - s - 1) % n + n) % n;
+    recv.push_back({scratch_.data(), chunkOf(me - s - 1).second * esize});
   }
   for (int s = 0; s < n - 1; ++s) {
     auto [sendStart, sendLen] = chunkOf(me + 1 - s);
+    send.push_back({data + sendStart * outSize, sendLen * outSize});
     auto [recvStart, recvLen] = chunkOf(me - s);
-    exchange({{data + sendStart * outSize, sendLen * outSize}},
-             {{data + recvStart * outSize, recvLen * outSize}});
+    recv.push_back({data + recvStart * outSize, recvLen * outSize});
   }
+  // Receive span `cur` is ready (folded, and for the last fold also scaled or rounded; or
+  // arrived, in allgather) up to byte `ready`; every earlier span is ready whole.
+  int cur = 0;
+  size_t ready = 0, recvBefore = 0, sendBefore = 0;  // bytes of the spans before cur, each stream
+  auto consume = [&](size_t received) {
+    while (cur < steps) {
+      const size_t bytes = recv[cur].bytes;
+      const size_t got = std::min(bytes, received - std::min(received, recvBefore));
+      size_t now = got;
+      if (cur <= lastFold) {
+        now = got == bytes ? bytes : got / segBytes * segBytes;
+        if (now > ready) {
+          char* target = work + chunkOf(recvChunk[cur]).first * esize;
+          const void* srcs[2] = {target + ready, scratch_.data() + ready};
+          reduceInto(target + ready, nullptr, srcs, 2, (now - ready) / esize, workType, op);
+          if (cur == lastFold) {  // the chunk is complete here: scale it once, round it once
+            const size_t first = chunkOf(recvChunk[cur]).first + ready / esize, len = (now - ready) / esize;
+            if (half) {
+              narrowFromFloat(data + first * outSize, hostSum + first, len, dtype, scale);
+            } else if (scale != 1.0) {
+              scaleInPlace(data + first * outSize, len, dtype, scale);
+            }
+          }
+        }
+      }
+      ready = now;
+      if (ready < bytes) return;
+      recvBefore += bytes;
+      sendBefore += send[cur].bytes;
+      ++cur;
+      ready = 0;
+    }
+  };
+  // Send span j+1 carries receive span j's chunk: its ready elements, in the send span's units.
+  auto sendable = [&]() -> size_t {
+    if (cur + 1 >= steps) return SIZE_MAX;
+    const size_t unitIn = cur <= lastFold ? esize : outSize, unitOut = cur < lastFold ? esize : outSize;
+    return sendBefore + send[cur].bytes + ready / unitIn * unitOut;
+  };
+  consume(0);  // empty chunks (count < n) are ready at once
+  exchange(send, recv, consume, sendable);
 }
 
 // Pipelined ring broadcast: the root streams the buffer to the right; every other member

@@ -60,10 +60,13 @@ class TcpRing {
   }
 
  private:
-  // Sends `send` to the right while receiving `recv` from the left; onRecv(bytes so far)
-  // runs after every read so the caller can consume completed segments.
+  // Sends `send` to the right while receiving `recv` from the left (each a stream of spans
+  // sent or filled in order); onRecv(bytes received so far) runs after every read so the
+  // caller can consume completed segments, and sendable(), when given, says how many bytes
+  // of the send stream may go so far (the rest depends on what was received).
   void exchange(const std::vector<Span>& send, const std::vector<Span>& recv,
-                const std::function<void(size_t)>& onRecv = nullptr);
+                const std::function<void(size_t)>& onRecv = nullptr,
+                const std::function<size_t()>& sendable = nullptr);
   // Throws CommFailedError: "rank R (this process): <op>: <why> <the neighbour>; <advice>",
   // then what the failure board says about the neighbour.
   [[noreturn]] void fail(const std::string& why, bool left, const std::string& advice = "") const;
