@@ -99,3 +99,20 @@ def test_allreduce_every_dtype_op_and_size(layout: str) -> None:
 @pytest.mark.parametrize("layout", ["one", "shm-3-chunked", "tcp-3", "hybrid-abab"])
 def test_broadcast_allgather_reduce_scatter(layout: str) -> None:
     _sweep_on(layout, _rooted_and_gathers)
+
+
+def _tcp_streams(rank: int, comm: Any, world: int) -> list[str]:
+    """Chunks of several TCP segments (256 KiB): each send span waits on the folded or
+    arrived bytes of the span before it, and the complete chunk is scaled or rounded piecewise."""
+    chk = Checker(rank)
+    n = 3 * (1 << 18) // 4 * world + 11  # 3 segments of float32 per chunk, uneven chunks
+    for dtype, op in [(torch.float32, "SUM"), (torch.float32, "AVG"), (torch.bfloat16, "SUM"),
+                      (torch.bfloat16, "AVG"), (torch.int64, "MAX"), (torch.int32, "SUM")]:
+        got = submit(comm, OpKind.ALLREDUCE, rank_input(rank, world, n, dtype, op), ReduceOp[op]).wait()
+        chk.equal(f"allreduce {dtype} {op} [{n}]", got, expected_allreduce(world, n, dtype, op))
+    return chk.failures
+
+
+@pytest.mark.parametrize("layout", ["tcp-2", "tcp-3", "hybrid-abab"])
+def test_tcp_ring_streams_multi_segment_chunks(layout: str) -> None:
+    _sweep_on(layout, _tcp_streams)
