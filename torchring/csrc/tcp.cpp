@@ -362,7 +362,7 @@ void TcpRing::allreduce(char* data, size_t count, DType dtype, ReduceOp op, doub
   const size_t segBytes = std::max(esize, opt_.segmentBytes / esize * esize);
   const int steps = 2 * (n - 1), lastFold = n - 2;  // spans 0..lastFold are reduce-scatter's
   std::vector<Span> send, recv;
-  std::vector<size_t> recvChunk(steps);  // chunk index of receive span j
+  std::vector<int> recvChunk(n - 1);  // chunk index of reduce-scatter's receive span j
   for (int s = 0; s < n - 1; ++s) {
     auto [sendStart, sendLen] = chunkOf(me - s);
     send.push_back({work + sendStart * esize, sendLen * esize});
@@ -391,7 +391,8 @@ void TcpRing::allreduce(char* data, size_t count, DType dtype, ReduceOp op, doub
           const void* srcs[2] = {target + ready, scratch_.data() + ready};
           reduceInto(target + ready, nullptr, srcs, 2, (now - ready) / esize, workType, op);
           if (cur == lastFold) {  // the chunk is complete here: scale it once, round it once
-            const size_t first = chunkOf(recvChunk[cur]).first + ready / esize, len = (now - ready) / esize;
+            const size_t first = chunkOf(recvChunk[cur]).first + ready / esize;
+            const size_t len = (now - ready) / esize;
             if (half) {
               narrowFromFloat(data + first * outSize, hostSum + first, len, dtype, scale);
             } else if (scale != 1.0) {
