@@ -362,12 +362,13 @@ void TcpRing::allreduce(char* data, size_t count, DType dtype, ReduceOp op, doub
   const size_t segBytes = std::max(esize, opt_.segmentBytes / esize * esize);
   const int steps = 2 * (n - 1), lastFold = n - 2;  // spans 0..lastFold are reduce-scatter's
   std::vector<Span> send, recv;
-  std::vector<int> recvChunk(n - 1);  // chunk index of reduce-scatter's receive span j
+  std::vector<size_t> foldStart(n - 1);  // first element of reduce-scatter's receive span j
   for (int s = 0; s < n - 1; ++s) {
     auto [sendStart, sendLen] = chunkOf(me - s);
     send.push_back({work + sendStart * esize, sendLen * esize});
-    recvChunk[s] = ((me - s - 1) % n + n) % n;
-    recv.push_back({scratch_.data(), chunkOf(me - s - 1).second * esize});
+    auto [recvStart, recvLen] = chunkOf(me - s - 1);
+    foldStart[s] = recvStart;
+    recv.push_back({scratch_.data(), recvLen * esize});
   }
   for (int s = 0; s < n - 1; ++s) {
     auto [sendStart, sendLen] = chunkOf(me + 1 - s);
@@ -387,11 +388,11 @@ void TcpRing::allreduce(char* data, size_t count, DType dtype, ReduceOp op, doub
       if (cur <= lastFold) {
         now = got == bytes ? bytes : got / segBytes * segBytes;
         if (now > ready) {
-          char* target = work + chunkOf(recvChunk[cur]).first * esize;
+          char* target = work + foldStart[cur] * esize;
           const void* srcs[2] = {target + ready, scratch_.data() + ready};
           reduceInto(target + ready, nullptr, srcs, 2, (now - ready) / esize, workType, op);
           if (cur == lastFold) {  // the chunk is complete here: scale it once, round it once
-            const size_t first = chunkOf(recvChunk[cur]).first + ready / esize;
+            const size_t first = foldStart[cur] + ready / esize;
             const size_t len = (now - ready) / esize;
             if (half) {
               narrowFromFloat(data + first * outSize, hostSum + first, len, dtype, scale);
