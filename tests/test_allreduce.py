@@ -51,8 +51,10 @@ def _allreduce_cases(rank: int, sizes: list[int], big: bool) -> list[str]:
 
 
 def _staging_store_cases(rank: int) -> list[str]:
-    """The chunked staged path (several segments, a partial last one, a tensor that starts
-    4 bytes into its storage) in every dtype family; TORCHRING_SHM_STORES is set by the test."""
+    """The paths whose staging writes TORCHRING_SHM_STORES picks (set by the test): the one-sync
+    copy-in from 64 KiB (20 001 float32/int32, 40 000 bf16) and the chunked staged path (several
+    segments, a partial last one), each also for a tensor that starts 4 bytes into its storage,
+    in every dtype family."""
     import torchring
     from torchring import ReduceOp
 
@@ -61,7 +63,7 @@ def _staging_store_cases(rank: int) -> list[str]:
         chk = Checker(rank)
         for dtype in (torch.float32, torch.bfloat16, torch.float64, torch.int32, torch.uint8):
             for op in [o for o in ("SUM", "MAX", "AVG") if o in valid_ops(dtype)]:
-                for n in (40_000, 3 * 2**18 + 5):
+                for n in (20_001, 40_000, 3 * 2**18 + 5):
                     for skip in (0, 1):
                         base = rank_input(rank, world, n + skip, dtype, op)
                         t = base[skip:]

@@ -51,7 +51,8 @@ int countCpus(const uint64_t (&words)[16]) {
 using shm::kPage;
 using shm::roundUp;
 
-ShmGroup::ShmGroup(ShmOptions options) : opt_(std::move(options)), stores_(opt_.stagingStores) {
+ShmGroup::ShmGroup(ShmOptions options) : opt_(std::move(options)), stores_(opt_.stagingStores),
+      oneSyncStores_(opt_.stagingStores) {
   controlBytes_ = roundUp(sizeof(Control), kPage);
   tableBytes_ = roundUp(2 * opt_.worldSize * sizeof(OpHeader), kPage);
   stagingOffset_ = controlBytes_ + tableBytes_;
@@ -273,7 +274,11 @@ void ShmGroup::exchangeHeadersWithData(const OpHeader& header, const char* data,
   prestaged_ = -1;
   if (data != nullptr) {
     shift_[me] = static_cast<uint16_t>((header.pageOffset + kPage / 2) % kPage);  // placeOwn's rule
-    std::memcpy(staged(me, buf), data, header.count * elementSize(static_cast<DType>(header.dtype)));
+    const size_t bytes = header.count * elementSize(static_cast<DType>(header.dtype));
+    prestagedStreamed_ = oneSyncStores_.streaming(bytes);
+    prestagedStart_ = Clock::now();
+    copyWith(prestagedStreamed_, staged(me, buf), data, bytes);
+    if (prestagedStreamed_) streamFence();
     prestaged_ = buf;
   }
   table(me, header.seq)[opt_.localRanks[me]] = header;

@@ -162,6 +162,11 @@ class ShmGroup {
   uint64_t bufferCounter_ = 0;   // segments staged so far; parity picks the staging buffer
   int prestaged_ = -1;           // staging buffer holding this operation's data, or -1
   StoreChooser stores_;          // cached or streaming staging writes (stores.h)
+  // The same choice for the one-sync path's copy-in (its own history: its time per byte is
+  // mostly the synchronization and the peers' reads, unlike a staged segment's).
+  StoreChooser oneSyncStores_;
+  bool prestagedStreamed_ = false;        // how the prestaged copy-in was written
+  Clock::time_point prestagedStart_{};    // when it began (the one-sync call is timed for it)
   std::vector<uint16_t> shift_;  // per local index: where this allreduce is staged (staged())
   int ownCpus_ = 0;              // CPUs in this process's affinity mask
   bool onProgressThread_ = false;

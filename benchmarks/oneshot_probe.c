@@ -1,0 +1,145 @@
+// oneshot_probe: the least a one-synchronization allreduce of a plain tensor costs on this
+// machine, without torchring: the floor under torchring's small-message path.
+//
+// Two threads, pinned to CPU 0 and CPU 1, play two ranks. Per iteration rank `me` copies its
+// BYTES-byte float32 tensor into its staging slot (slot = iteration parity, so a slot is not
+// rewritten while the peer may still read it; copy-in), publishes the iteration number in its
+// stamp (one release store), spins until the peer's stamp shows the same iteration (the single
+// synchronization), then writes out[i] = tensor[i] + peerStaging[i] with AVX2 (reduce: reads
+// its own tensor from its cache and the peer's staging lines from the peer's core). That is
+// what any one-sync allreduce of memory the peer cannot see must do; torchring adds the header
+// in the same lines, the checks and the Python call. Variants per block of kIters iterations:
+// "full" (copy-in + sync + reduce), "sync" (the stamp round only), "no-copy" (sync + reduce
+// reading the peer's tensor in place, which nobody writes: lines stay shared in both caches, a
+// lower bound no in-place allreduce reaches, since its result rewrites the tensor every call),
+// "copy-only" (copy-in + sync: full less the reduce), "full-nt" (full with the copy-in's
+// stores non-temporal). full - copy-only is the price of reading 64 KiB the other core has
+// just written; every allreduce of fresh data pays it for the peer's BYTES at world 2. The summary gives each variant's
+// median and 10th/90th percentile per-iteration time over blocks run in random order.
+//
+//   gcc -O2 -mavx2 -pthread benchmarks/oneshot_probe.c -o /tmp/oneshot_probe
+//   /tmp/oneshot_probe [DURATION_S=20] [BYTES=65536]
+#define _GNU_SOURCE
+#include <immintrin.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+enum { kVariants = 5, kIters = 2000, kMaxBlocks = 100000 };
+static const char* kNames[kVariants] = {"full", "sync", "no-copy", "copy-only", "full-nt"};
+
+static size_t bytes;
+static float* tensor[2];
+static float* out[2];
+static float* staging[2][2];
+static _Alignas(64) atomic_ulong stamp[2][8];  // stamp[r][0] on its own cache line
+static atomic_int variant, go[2], done[2];
+static double blockTime[kVariants][kMaxBlocks];
+static int blocks[kVariants];
+static double blockSeconds;  // rank 0's time for the last block
+
+static double now(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+static void add(float* dst, const float* a, const float* b, size_t n) {
+  for (size_t i = 0; i < n; i += 8) {
+    _mm256_storeu_ps(dst + i, _mm256_add_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+  }
+}
+
+// The copy-in with non-temporal stores: the lines go to memory, not into this core's cache.
+static void copyStream(float* dst, const float* src, size_t n) {
+  for (size_t i = 0; i < n; i += 8) _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
+  _mm_sfence();
+}
+
+static void* rank(void* arg) {
+  const int me = (int)(long)arg, peer = 1 - me;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(me, &set);
+  pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+  unsigned long iter = 0;
+  for (int round = 1;; ++round) {
+    while (atomic_load(&go[me]) < round) {
+      if (atomic_load(&go[me]) < 0) return NULL;
+      nanosleep(&(struct timespec){0, 20000}, NULL);
+    }
+    const int v = atomic_load(&variant);
+    const size_t n = bytes / sizeof(float);
+    double t0 = 0;
+    for (int k = -1; k < kIters; ++k) {  // k = -1: a bare synchronization, both ranks awake
+      if (k == 0) t0 = now();
+      ++iter;
+      const int slot = iter & 1;
+      if (k < 0) {
+        atomic_store_explicit(&stamp[me][0], iter, memory_order_release);
+        while (atomic_load_explicit(&stamp[peer][0], memory_order_acquire) < iter) _mm_pause();
+        continue;
+      }
+      if (v == 0 || v == 3) memcpy(staging[me][slot], tensor[me], bytes);
+      if (v == 4) copyStream(staging[me][slot], tensor[me], n);
+      atomic_store_explicit(&stamp[me][0], iter, memory_order_release);
+      while (atomic_load_explicit(&stamp[peer][0], memory_order_acquire) < iter) _mm_pause();
+      if (v == 0 || v == 4) add(out[me], tensor[me], staging[peer][slot], n);
+      if (v == 2) add(out[me], tensor[me], tensor[peer], n);
+    }
+    if (me == 0) blockSeconds = now() - t0;
+    atomic_store(&done[me], round);
+  }
+}
+
+static int cmp(const void* a, const void* b) {
+  double x = *(const double*)a, y = *(const double*)b;
+  return (x > y) - (x < y);
+}
+
+int main(int argc, char** argv) {
+  const double duration = argc > 1 ? atof(argv[1]) : 20;
+  bytes = argc > 2 ? strtoul(argv[2], NULL, 0) : 65536;
+  for (int r = 0; r < 2; ++r) {
+    tensor[r] = aligned_alloc(4096, bytes);
+    out[r] = aligned_alloc(4096, bytes);
+    for (size_t i = 0; i < bytes / sizeof(float); ++i) tensor[r][i] = (float)(i % 13 + r);
+    for (int s = 0; s < 2; ++s) staging[r][s] = aligned_alloc(4096, bytes), memset(staging[r][s], 0, bytes);
+  }
+  pthread_t th[2];
+  for (long r = 0; r < 2; ++r) pthread_create(&th[r], NULL, rank, (void*)r);
+  const double end = now() + duration;
+  srand(12345);
+  for (int round = 1; now() < end; ++round) {
+    const int v = rand() % kVariants;
+    atomic_store(&variant, v);
+    atomic_store(&go[0], round);
+    atomic_store(&go[1], round);
+    while (atomic_load(&done[0]) < round || atomic_load(&done[1]) < round) {
+      nanosleep(&(struct timespec){0, 20000}, NULL);  // two CPUs: the ranks own them
+    }
+    if (blocks[v] < kMaxBlocks) blockTime[v][blocks[v]++] = blockSeconds / kIters;
+  }
+  atomic_store(&go[0], -1);
+  atomic_store(&go[1], -1);
+  for (int r = 0; r < 2; ++r) pthread_join(th[r], NULL);
+  for (size_t i = 0; i < bytes / sizeof(float); ++i) {
+    if (out[0][i] != (float)(2 * (i % 13) + 1)) {
+      printf("wrong result at %zu\n", i);
+      return 1;
+    }
+  }
+  printf("%zu bytes, %g s, per-iteration times over blocks of %d iterations\n", bytes, duration, kIters);
+  for (int v = 0; v < kVariants; ++v) {
+    qsort(blockTime[v], blocks[v], sizeof(double), cmp);
+    const int b = blocks[v];
+    if (b == 0) continue;
+    printf("%-8s blocks %5d  median %7.2f us  p10 %7.2f  p90 %7.2f\n", kNames[v], b,
+           blockTime[v][b / 2] * 1e6, blockTime[v][b / 10] * 1e6, blockTime[v][b * 9 / 10] * 1e6);
+  }
+  return 0;
+}
