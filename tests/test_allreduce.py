@@ -94,6 +94,45 @@ def _wide_accumulation_cases(rank: int) -> list[str]:
         return chk.failures
 
 
+def _fast_call_cases(rank: int) -> list[str]:
+    """The engine's allreduce entry without pybind (bindings.cpp allreduceNowFast), called
+    directly: it runs what it can, declines (False, tensor untouched) what the checked path
+    must word, and refuses a wrong call with TypeError."""
+    import torchring
+    from torchring import ReduceOp, _context
+
+    with session():
+        world = torchring.size()
+        chk = Checker(rank)
+        fast = _context._state.allreduce_now
+        t = rank_input(rank, world, 1000, torch.int64, "MAX")
+        chk.true("fast call, int64 MAX", fast(t, ReduceOp.MAX) is True, "did not run")
+        chk.equal("fast call, int64 MAX", t, expected_allreduce(world, 1000, torch.int64, "MAX"))
+        t = rank_input(rank, world, 10, torch.float32)
+        chk.true("fast call, op as a plain int", fast(t, int(ReduceOp.SUM)) is True, "did not run")
+        chk.equal("fast call, op as a plain int", t, expected_allreduce(world, 10, torch.float32, "SUM"))
+        strided = torch.arange(20, dtype=torch.float32)[::2]
+        declined = [("a list", [1.0], 0), ("a strided tensor", strided, 0),
+                    ("AVG of int32", torch.ones(4, dtype=torch.int32), int(ReduceOp.AVG)),
+                    ("op 99", torch.ones(4), 99), ("op -1", torch.ones(4), -1)]
+        for what, arg, op in declined:
+            before = arg.clone() if isinstance(arg, torch.Tensor) else None
+            chk.true(f"fast call with {what}", fast(arg, op) is False, "was not declined")
+            if before is not None:
+                chk.equal(f"fast call with {what} (left alone)", arg, before)
+        for what, args in [("one argument", (torch.ones(2),)), ("a float op", (torch.ones(2), 0.5)),
+                           ("three arguments", (torch.ones(2), 0, 0))]:
+            try:
+                fast(*args)
+                chk.true(f"fast call with {what}", False, "raised nothing")
+            except TypeError:
+                pass
+        t = rank_input(rank, world, 5, torch.float32)
+        torchring.allreduce(t)  # the ranks are still in step after the refused calls
+        chk.equal("allreduce after the fast calls", t, expected_allreduce(world, 5, torch.float32, "SUM"))
+        return chk.failures
+
+
 def _async_cases(rank: int) -> list[str]:
     """Issue several allreduce_async, one sync allreduce in between, then wait in order."""
     import torchring
@@ -251,6 +290,11 @@ def test_16bit_accumulates_in_fp32(setup: str) -> None:
     else:
         results = spawn(3, _wide_accumulation_cases, env={"TORCHRING_TRANSPORT": setup})
     assert_no_failures(results)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_fast_call(world: int) -> None:
+    assert_no_failures(spawn(world, _fast_call_cases))
 
 
 @pytest.mark.parametrize("world,transport", [(2, "tcp"), (3, "shm")])

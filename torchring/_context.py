@@ -41,6 +41,7 @@ class _State:
     groups: dict[int, Any] = dataclasses.field(default_factory=dict)  # live groups' communicators
     world_group: Any = None  # torchring.world_group()'s object, made on first use
     pid: int = dataclasses.field(default_factory=os.getpid)  # the process that joined
+    allreduce_now: Any = None  # comm.allreduce_now without pybind's dispatcher (bindings.cpp)
 
 
 _state: _State | None = None
@@ -109,7 +110,8 @@ def init(timeout: float | None = None) -> None:
         t for t, on in (("shm", comm.has_shm), ("tcp", comm.num_hosts > 1)) if on)
     _state = _State(launch, comm, local_rank, local_size, used or "none", settings, engine=engine,
                     store=store, prefix=prefix, secret=secret, host=host,
-                    master_addr=launch.master_addr, host_groups=groups)
+                    master_addr=launch.master_addr, host_groups=groups,
+                    allreduce_now=engine.allreduce_now_function(comm))
     _last_settings = settings
     # At exit, a job that never called shutdown() still lets its last GPU collectives finish
     # and stops the NCCL watchdog before the CUDA runtime unloads (registered once).

@@ -239,7 +239,7 @@ def allreduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, prescale_factor
     state = _context._state
     if (state is not None and group is None and type(op) is ReduceOp and type(prescale_factor) is float
             and type(postscale_factor) is float and prescale_factor == 1.0 and postscale_factor == 1.0
-            and not _profiler_on() and state.comm.allreduce_now(tensor, op)):
+            and not _profiler_on() and state.allreduce_now(tensor, op)):
         return tensor
     return _allreduce_checked(tensor, op, prescale_factor, postscale_factor, group)
 

@@ -79,7 +79,8 @@ class FakeWorld:
         self.state = _context._State(
             launch, self.world, rank, size, "shm", Settings(timeout=timeout), engine=object(),
             store=self.store, prefix=PREFIX, secret="s3cret", host="here", master_addr="127.0.0.1",
-            host_groups=hosts if hosts is not None else [list(range(size))])
+            host_groups=hosts if hosts is not None else [list(range(size))],
+            allreduce_now=self.world.allreduce_now)
         monkeypatch.setattr(_context, "_state", self.state)
         monkeypatch.setattr(_rendezvous, "communicator", self._communicator)
         monkeypatch.setattr(_rendezvous, "wire", self._wire)
