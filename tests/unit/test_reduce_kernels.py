@@ -95,3 +95,16 @@ def test_nan_and_inf_follow_torch(dtype: torch.dtype, op: str) -> None:
 def test_float16_overflow_is_inf() -> None:
     srcs = [torch.full((3,), 60000.0, dtype=torch.float16)] * 2
     assert torch.isinf(_run(srcs, "SUM")).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_every_16bit_value_converts_as_torch_does(dtype: torch.dtype) -> None:
+    """All 65536 bit patterns (subnormals, infs, NaNs) through the kernels' vector widening and
+    narrowing (8 and more at a time), alone and scaled, and summed with a subnormal."""
+    every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(dtype)
+    tiny = torch.full_like(every, torch.finfo(dtype).smallest_normal / 4)  # a subnormal
+    for srcs, scale in [([every], 1.0), ([every], 0.5), ([every, tiny], 1.0), ([tiny, every], 3.0)]:
+        got, want = _run(srcs, "SUM", scale), _reference(srcs, "SUM", scale)
+        nan = torch.isnan(want)
+        assert torch.equal(torch.isnan(got), nan), (dtype, scale)
+        assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16)), (dtype, scale)
