@@ -276,7 +276,8 @@ void ShmGroup::exchangeHeadersWithData(const OpHeader& header, const char* data,
     shift_[me] = static_cast<uint16_t>((header.pageOffset + kPage / 2) % kPage);  // placeOwn's rule
     const size_t bytes = header.count * elementSize(static_cast<DType>(header.dtype));
     prestagedStreamed_ = oneSyncStores_.streaming(bytes);
-    prestagedStart_ = Clock::now();
+    prestagedTimed_ = bytes >= StoreChooser::kMinBytes;  // below, the chooser ignores the time
+    if (prestagedTimed_) prestagedStart_ = Clock::now();
     copyWith(prestagedStreamed_, staged(me, buf), data, bytes);
     if (prestagedStreamed_) streamFence();
     prestaged_ = buf;
