@@ -94,7 +94,6 @@ TcpRing::TcpRing(TcpOptions options) : opt_(std::move(options)) {}
 TcpRing::~TcpRing() { close(); }
 
 void TcpRing::close() {
-  if (recvFd_ == sendFd_) recvFd_ = -1;  // a ring of two: one socket, closed once
   for (int* fd : {&listenFd_, &sendFd_, &recvFd_}) {
     if (*fd >= 0) {
       ::shutdown(*fd, SHUT_RDWR);
@@ -171,28 +170,11 @@ bool TcpRing::acceptOne(double remaining) {
   return true;
 }
 
-// A ring of two members runs over one connection, both directions (shared): member 1
-// connects, member 0 accepts (as in larger rings, member 0 accepts its left neighbour). Under bbr congestion control two one-way connections ran 1-3 %
-// under a shaped link from 8 MiB up, one connection runs at it (benchmarks/RESULTS.md).
 void TcpRing::connect(const std::string& rightAddr, int rightPort) {
   const auto start = Clock::now();
   auto remaining = [&] { return opt_.timeoutSec - secondsSince(start); };
-  const bool shared = opt_.ringSize == 2;
   rightDesc_ = "rank " + std::to_string(opt_.rightRank) + " (right neighbour in the TCP ring, " +
                rightAddr + ":" + std::to_string(rightPort) + ")";
-  if (shared && opt_.ringIndex == 0) {  // accept member 1's connection and use it both ways
-    while (recvFd_ < 0) {
-      if (remaining() <= 0) fail("timed out during connection setup waiting for", true);
-      acceptOne(remaining());
-    }
-    ::close(listenFd_);
-    listenFd_ = -1;
-    sendFd_ = recvFd_;
-    rightDesc_ = leftDesc_;
-    setNoDelay(recvFd_);
-    setNonBlocking(recvFd_);
-    return;
-  }
   addrinfo hints{}, *res = nullptr;
   hints.ai_family = AF_INET;
   hints.ai_socktype = SOCK_STREAM;
@@ -239,7 +221,7 @@ void TcpRing::connect(const std::string& rightAddr, int rightPort) {
   if (!writeAll(sendFd_, &hello, sizeof(hello))) fail("cannot send the handshake to", false);
   // Accept the left neighbour before waiting for the right one's answer: every member
   // does the same, so nobody waits on a neighbour that is itself waiting.
-  while (!shared && recvFd_ < 0) {
+  while (recvFd_ < 0) {
     if (remaining() <= 0) fail("timed out during connection setup waiting for", true);
     acceptOne(remaining());
   }
@@ -249,10 +231,6 @@ void TcpRing::connect(const std::string& rightAddr, int rightPort) {
   setTimeouts(sendFd_, std::max(0.001, remaining()));
   if (!readAll(sendFd_, &ack, 1) || ack != 'K') {
     fail("the handshake was not accepted (different job secret?) by", false);
-  }
-  if (shared) {
-    recvFd_ = sendFd_;
-    leftDesc_ = rightDesc_;
   }
   setNoDelay(recvFd_);
   setNonBlocking(sendFd_);

@@ -1,5 +1,5 @@
 // TCP ring between hosts: each member sends to its right neighbour and receives from its
-// left one, over two sockets (one per direction; a ring of two uses one socket both ways).
+// left one, over two sockets (one per direction).
 #pragma once
 
 #include <functional>
@@ -32,8 +32,7 @@ class TcpRing {
 
   // Listens on `bindAddr` (all interfaces when empty) on a free port and returns it.
   int listen(const std::string& bindAddr);
-  // Connects to the right neighbour and accepts the left one (a ring of two: member 1
-  // connects, member 0 accepts, one connection). Connections that fail the
+  // Connects to the right neighbour and accepts the left one. Connections that fail the
   // handshake (garbage, wrong secret, wrong rank) are logged, closed and ignored.
   void connect(const std::string& rightAddr, int rightPort);
   void close();
