@@ -41,7 +41,7 @@ class _State:
     groups: dict[int, Any] = dataclasses.field(default_factory=dict)  # live groups' communicators
     world_group: Any = None  # torchring.world_group()'s object, made on first use
     pid: int = dataclasses.field(default_factory=os.getpid)  # the process that joined
-    allreduce_now: Any = None  # comm.allreduce_now without pybind's dispatcher (bindings.cpp)
+    allreduce_now: Any = None  # the engine's allreduceNow without pybind's dispatcher (bindings.cpp)
 
 
 _state: _State | None = None

@@ -55,7 +55,7 @@ void reduceTensors(at::Tensor dst, const std::vector<at::Tensor>& srcs, int op, 
 // (argument casters, the type lookup of `self`, the call record) costs about a quarter of a
 // world-1 call, which is all overhead. `self` is a capsule owning a reference to the
 // communicator; (tensor, op) -> True when the engine ran it (the answer and the errors are
-// those of Communicator.allreduce_now).
+// those of Communicator::allreduceNow; a non-tensor is declined).
 constexpr const char* kCommCapsule = "torchring.Communicator";
 
 PyObject* allreduceNowFast(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
@@ -377,15 +377,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("out") = py::none(), py::arg("tensors") = std::vector<at::Tensor>(), py::arg("prescale") = 1.0,
           py::arg("postscale") = 1.0, py::arg("send_splits") = py::none(), py::arg("recv_splits") = py::none(),
           py::arg("recv_splits_known") = false)
-      .def(
-          "allreduce_now",
-          [](Communicator& c, py::handle tensor, int op) {
-            if (!THPVariable_Check(tensor.ptr())) return false;
-            const at::Tensor& t = THPVariable_Unpack(tensor.ptr());
-            py::gil_scoped_release release;
-            return c.allreduceNow(t, op);
-          },
-          py::arg("tensor"), py::arg("op"))
       .def("send", &Communicator::send, py::arg("tensor"), py::arg("peer"), py::arg("tag"),
            py::call_guard<py::gil_scoped_release>())
       .def("recv", &Communicator::recv, py::arg("tensor"), py::arg("peer"), py::arg("tag"),

@@ -150,6 +150,18 @@ inline void narrowBlock<BF16>(BF16* out, const float* src, size_t len) {
 template <typename T>
 constexpr bool kWidenFirst = std::is_same_v<T, F16>;
 
+// acc[0, len) = acc op src: the source widened into `wide` (kBlock long) first where
+// kWidenFirst, else converted element by element in the fold.
+template <typename T, typename Op>
+inline void foldBlock(typename Codec<T>::Acc* acc, const T* src, size_t len, typename Codec<T>::Acc* wide) {
+  if constexpr (kWidenFirst<T>) {
+    widenBlock(wide, src, len);
+    for (size_t i = 0; i < len; ++i) acc[i] = Op::apply(acc[i], wide[i]);
+  } else {
+    for (size_t i = 0; i < len; ++i) acc[i] = Op::apply(acc[i], Codec<T>::load(src[i]));
+  }
+}
+
 struct Sum {
   template <typename A>
   static inline A apply(A a, A b) { return a + b; }
@@ -202,15 +214,7 @@ void reduceBlocks(T* dst, T* dst2, const T* const* srcs, int nsrc, size_t count,
   for (size_t base = 0; base < count; base += kBlock) {
     const size_t len = std::min(kBlock, count - base);
     widenBlock(acc, srcs[0] + base, len);
-    for (int p = 1; p < nsrc; ++p) {
-      const T* src = srcs[p] + base;
-      if constexpr (kWidenFirst<T>) {
-        widenBlock(wide, src, len);
-        for (size_t i = 0; i < len; ++i) acc[i] = Op::apply(acc[i], wide[i]);
-      } else {
-        for (size_t i = 0; i < len; ++i) acc[i] = Op::apply(acc[i], C::load(src[i]));
-      }
-    }
+    for (int p = 1; p < nsrc; ++p) foldBlock<T, Op>(acc, srcs[p] + base, len, wide);
     if (doScale) {
       for (size_t i = 0; i < len; ++i) acc[i] = acc[i] * s;
     }
@@ -247,18 +251,11 @@ void reduceTyped(void* dst, void* dst2, const void* const* srcs, int nsrc, size_
 
 template <typename T, typename Op>
 void reduceBlocksToFloat(float* dst, const T* const* srcs, int nsrc, size_t count) {
+  alignas(64) float wide[kWidenFirst<T> ? kBlock : 1];
   widenBlock(dst, srcs[0], count);
   for (int p = 1; p < nsrc; ++p) {
-    const T* src = srcs[p];
-    if constexpr (kWidenFirst<T>) {
-      alignas(64) float wide[kBlock];
-      for (size_t base = 0; base < count; base += kBlock) {
-        const size_t len = std::min(kBlock, count - base);
-        widenBlock(wide, src + base, len);
-        for (size_t i = 0; i < len; ++i) dst[base + i] = Op::apply(dst[base + i], wide[i]);
-      }
-    } else {
-      for (size_t i = 0; i < count; ++i) dst[i] = Op::apply(dst[i], Codec<T>::load(src[i]));
+    for (size_t base = 0; base < count; base += kBlock) {
+      foldBlock<T, Op>(dst + base, srcs[p] + base, std::min(kBlock, count - base), wide);
     }
   }
 }

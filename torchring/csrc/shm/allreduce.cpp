@@ -116,9 +116,8 @@ void ShmGroup::reduceStaged(char* data, size_t count, DType dtype, ReduceOp op, 
   // same on every rank.
   for (int p = 0; p < n; ++p) srcs[p] = p == opt_.localIndex ? data : staged(p, buf);
   reduceInto(data, nullptr, srcs.data(), n, count, dtype, op, scale);
-  if (prestagedTimed_) {
-    oneSyncStores_.record(prestagedStreamed_, count * elementSize(dtype), secondsSince(prestagedStart_));
-  }
+  const size_t bytes = count * elementSize(dtype);
+  if (bytes >= StoreChooser::kMinBytes) oneSyncStores_.record(prestagedStreamed_, bytes, secondsSince(prestagedStart_));
 }
 
 // Zero-copy allreduce, used when every local rank's tensor lives in its arena. The header

@@ -276,8 +276,7 @@ void ShmGroup::exchangeHeadersWithData(const OpHeader& header, const char* data,
     shift_[me] = static_cast<uint16_t>((header.pageOffset + kPage / 2) % kPage);  // placeOwn's rule
     const size_t bytes = header.count * elementSize(static_cast<DType>(header.dtype));
     prestagedStreamed_ = oneSyncStores_.streaming(bytes);
-    prestagedTimed_ = bytes >= StoreChooser::kMinBytes;  // below, the chooser ignores the time
-    if (prestagedTimed_) prestagedStart_ = Clock::now();
+    if (bytes >= StoreChooser::kMinBytes) prestagedStart_ = Clock::now();  // below, no time is used
     copyWith(prestagedStreamed_, staged(me, buf), data, bytes);
     if (prestagedStreamed_) streamFence();
     prestaged_ = buf;

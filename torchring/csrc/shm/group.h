@@ -166,8 +166,7 @@ class ShmGroup {
   // mostly the synchronization and the peers' reads, unlike a staged segment's).
   StoreChooser oneSyncStores_;
   bool prestagedStreamed_ = false;        // how the prestaged copy-in was written
-  bool prestagedTimed_ = false;           // whether the one-sync call is timed (large enough)
-  Clock::time_point prestagedStart_{};    // when it began (the one-sync call is timed for it)
+  Clock::time_point prestagedStart_{};    // when it began, from StoreChooser::kMinBytes (the call is timed)
   std::vector<uint16_t> shift_;  // per local index: where this allreduce is staged (staged())
   int ownCpus_ = 0;              // CPUs in this process's affinity mask
   bool onProgressThread_ = false;
