@@ -103,13 +103,19 @@ def test_broadcast_allgather_reduce_scatter(layout: str) -> None:
 
 def _tcp_streams(rank: int, comm: Any, world: int) -> list[str]:
     """Chunks of several TCP segments (256 KiB): each send span waits on the folded or
-    arrived bytes of the span before it, and the complete chunk is scaled or rounded piecewise."""
+    arrived bytes of the span before it, and the complete chunk is scaled or rounded piecewise;
+    then streams long enough to be sent in pieces."""
     chk = Checker(rank)
     n = 3 * (1 << 18) // 4 * world + 11  # 3 segments of float32 per chunk, uneven chunks
     for dtype, op in [(torch.float32, "SUM"), (torch.float32, "AVG"), (torch.bfloat16, "SUM"),
                       (torch.bfloat16, "AVG"), (torch.int64, "MAX"), (torch.int32, "SUM")]:
         got = submit(comm, OpKind.ALLREDUCE, rank_input(rank, world, n, dtype, op), ReduceOp[op]).wait()
         chk.equal(f"allreduce {dtype} {op} [{n}]", got, expected_allreduce(world, n, dtype, op))
+    # A send stream of 8 MiB and more goes to the kernel in pieces (TcpOptions.sendPieceBytes).
+    big = (8 << 20) // 4 + 5
+    for dtype, op, big in [(torch.float32, "SUM", big), (torch.bfloat16, "AVG", 2 * big)]:
+        got = submit(comm, OpKind.ALLREDUCE, rank_input(rank, world, big, dtype, op), ReduceOp[op]).wait()
+        chk.equal(f"allreduce {dtype} {op} [{big}]", got, expected_allreduce(world, big, dtype, op))
     return chk.failures
 
 

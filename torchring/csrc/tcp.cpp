@@ -251,10 +251,27 @@ void TcpRing::fail(const std::string& why, bool left, const std::string& advice)
   throw CommFailedError(text);
 }
 
+// One loop moves both streams: poll for room to send and bytes to read, send what may go,
+// read what came, repeat until both streams are done or no byte moves for the timeout.
+// How much one send() hands the kernel (`piece`): a long stream (streamBytes at least
+// opt_.piecedStreamBytes: a ring of two from 8 MiB up) goes in pieces of
+// opt_.sendPieceBytes; a shorter one in whatever the socket takes. Measured between two
+// network-namespace hosts on 5 Gbit/s links (benchmarks/RESULTS.md, "Issue #15, fourth
+// session"): unpieced, one 16 MiB allreduce handed the kernel about two sends of 2-4 MiB
+// and more (the empty send buffer at the call's start), and under bbr the ring ran at
+// 0.97-1.00 of gloo; pieced, 0.99-1.01. A likely cause, not proven: a send() copying MiBs
+// holds the socket, the acknowledgements that arrive meanwhile wait in its backlog, and a
+// bbr sender limited by its congestion window (`ss`: unacked = cwnd) cannot send until they
+// are processed. Short streams stay whole: on an unshaped link pieces made 1-4 MiB
+// allreduces slower (1 MiB 1.6-2.8x; twice the context switches per call: the reader
+// sleeps between pieces).
 void TcpRing::exchange(const std::vector<Span>& send, const std::vector<Span>& recv,
                        const std::function<void(size_t)>& onRecv,
                        const std::function<size_t()>& sendable) {
   size_t sendIdx = 0, sendOff = 0, recvIdx = 0, recvOff = 0, received = 0, sent = 0;
+  size_t streamBytes = 0;
+  for (const Span& s : send) streamBytes += s.bytes;
+  const size_t piece = streamBytes >= opt_.piecedStreamBytes ? opt_.sendPieceBytes : SIZE_MAX;
   auto skipEmpty = [](const std::vector<Span>& spans, size_t& idx, size_t& off) {
     while (idx < spans.size() && off == spans[idx].bytes) {
       ++idx;
@@ -268,7 +285,7 @@ void TcpRing::exchange(const std::vector<Span>& send, const std::vector<Span>& r
     const bool sending = sendIdx < send.size(), receiving = recvIdx < recv.size();
     if (!sending && !receiving) return;
     // What may go now: the rest of this span, or less where the stream waits for received data.
-    size_t allowed = sending ? send[sendIdx].bytes - sendOff : 0;
+    size_t allowed = sending ? std::min(send[sendIdx].bytes - sendOff, piece) : 0;
     if (sending && sendable) {
       const size_t limit = sendable();
       allowed = std::min(allowed, limit > sent ? limit - sent : 0);
