@@ -49,24 +49,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _peers  # noqa: E402  (benchmarks/ is on sys.path as the script's folder)
 import _plot  # noqa: E402
+from _sizes import fmt_size, parse_size  # noqa: E402,F401  (crosshost.py and others import them from here)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
 DEFAULT_SIZES = "4,4K,64K,256K,1M,16M,64M,256M"
 LIBS = ("torchring", "torchring-shm", "gloo", "mpi", "deepspeed")
-
-
-def parse_size(text: str) -> int:
-    """'64K' -> 65536 bytes; a bare number is bytes."""
-    text = text.strip().upper().removesuffix("IB").removesuffix("B")
-    return int(text[:-1]) * UNITS[text[-1]] if text[-1] in UNITS else int(text)
-
-
-def fmt_size(nbytes: int) -> str:
-    for unit in ("G", "M", "K"):
-        if nbytes >= UNITS[unit] and nbytes % UNITS[unit] == 0:
-            return f"{nbytes // UNITS[unit]} {unit}iB"
-    return f"{nbytes} B"
 
 
 def copy_bandwidth(nbytes: int = 256 * 2**20, reps: int = 5) -> float:

@@ -15,14 +15,9 @@ import json
 import statistics
 import sys
 
+from _sizes import fmt_size  # benchmarks/ is on sys.path as the script's folder
+
 ORDER = ("torchring", "torchring-shm", "gloo", "mpi", "deepspeed")
-
-
-def _label(size: int) -> str:
-    for shift, unit in ((20, "MiB"), (10, "KiB")):
-        if size >= 1 << shift and size % (1 << shift) == 0:
-            return f"{size >> shift} {unit}"
-    return f"{size} B"
 
 
 def main(paths: list[str]) -> None:
@@ -43,7 +38,7 @@ def main(paths: list[str]) -> None:
     head += ["best peer / torchring [min..max]", "model fraction", "slowest/median", "#wrong"]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for (world, dtype, size), rows in sorted(points.items()):
-        cells = [f"{world}{' (over)' if world in oversubscribed else ''}", dtype, _label(size)]
+        cells = [f"{world}{' (over)' if world in oversubscribed else ''}", dtype, fmt_size(size)]
         for lib in libs:
             times = [r[lib]["time_us"] for r in rows if lib in r]
             if not times:
