@@ -49,7 +49,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _peers  # noqa: E402  (benchmarks/ is on sys.path as the script's folder)
 import _plot  # noqa: E402
-from _sizes import fmt_size, parse_size  # noqa: E402,F401  (crosshost.py and others import them from here)
+from _sizes import fmt_size, parse_size  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_SIZES = "4,4K,64K,256K,1M,16M,64M,256M"
