@@ -313,7 +313,7 @@ def main() -> None:
         raise SystemExit(f"--hosts {a.hosts}: a cross-host benchmark needs at least 2 hosts")
     rate = None if a.rate.lower() == "none" else a.rate
     from _hosts import can_make_hosts, hosts  # tests/_hosts.py: the same hosts the tests use
-    from torchring import _build
+    from torchring._core import build as _build
 
     why = can_make_hosts()
     if why:

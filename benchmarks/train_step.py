@@ -54,7 +54,7 @@ def timed_steps(model: nn.Module, batch: int, width: int, steps: int, warmup: in
                 barrier: Callable[[], None], pooled: bool = False) -> tuple[list[float], float]:
     """Seconds per training step on this rank (after warmup), each step started together, and
     this rank's minor page faults per step."""
-    from torchring import memory
+    from torchring._wrap import memory
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     device = next(model.parameters()).device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 import torchring
-from torchring import _env
+from torchring._core import env as _env
 
 
 def main(out_dir: str) -> None:

@@ -99,7 +99,8 @@ def _fast_call_cases(rank: int) -> list[str]:
     directly: it runs what it can, declines (False, tensor untouched) what the checked path
     must word, and refuses a wrong call with TypeError."""
     import torchring
-    from torchring import ReduceOp, _context
+    from torchring import ReduceOp
+    from torchring._core import context as _context
 
     with session():
         world = torchring.size()

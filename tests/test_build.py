@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from torchring import _build
+from torchring._core import build as _build
 
 
 def test_build_report() -> None:

@@ -35,8 +35,8 @@ def _gpu_check_job(rank: int, odd: int) -> dict[str, Any]:
     checks pass in order with CPU collectives; a count mismatch, and a check against a CPU
     collective, fail on every rank."""
     import torchring
-    from torchring import _context
-    from torchring._types import OpKind as _Kind, ReduceOp
+    from torchring._core import context as _context
+    from torchring._core.types import OpKind as _Kind, ReduceOp
 
     def check(kind: _Kind, t: torch.Tensor, op: ReduceOp = ReduceOp.SUM, root: int = -1) -> Any:
         return _context.communicator("test").submit_check(int(kind), t, int(op), root)

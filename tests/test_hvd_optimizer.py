@@ -362,7 +362,7 @@ def case_pool(chk: Checker, hvd: Any, rank: int, world: int) -> None:
     """Fresh CPU gradients of a synchronized backward come from torchring's gradient pool (as
     under torchring.wrap): the pool is on from the first hook of a backward, so from the second
     step on the first layer's 512 KiB gradient (computed after fc2's hooks fired) is a hit."""
-    from torchring import memory
+    from torchring._wrap import memory
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 512), nn.Linear(512, 4))

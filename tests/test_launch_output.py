@@ -13,7 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from torchring import _env, _threads
+from torchring._core import env as _env
+from torchring.launch import threads as _threads
 
 # rank 0 draws a bar on stderr the way tqdm does; each rank prints lines on stdout
 _SCRIPT = r"""

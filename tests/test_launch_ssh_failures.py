@@ -138,7 +138,7 @@ def test_sshd_the_store_and_launcher_host_losing_its_link_ends_every_node(ssh_ho
 
 
 def test_the_default_ssh_client_gives_up_on_a_host_silent_for_torchring_timeout() -> None:
-    from torchring import _ssh_launch as sl
+    from torchring.launch import ssh as sl
     argv = sl.ssh_argv("h1", "cmd", alive_s=300.0)
     assert argv[-2:] == ["h1", "cmd"] and argv[:2] == ["ssh", "-T"]
     # probes 5 s apart; as many unanswered as fit in the ranks' own timeout, at least 3

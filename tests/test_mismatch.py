@@ -19,7 +19,7 @@ import torch
 
 from _checks import Checker, expected_allreduce, rank_input
 from _dist import hybrid_env, session, spawn
-from torchring._types import dtype_name
+from torchring._core.types import dtype_name
 
 # One collective call: (kind, dtype, shape, op, src).
 Call = tuple[str, torch.dtype, tuple[int, ...], str, int]

@@ -39,7 +39,7 @@ def _pool_job(rank: int) -> dict[str, Any]:
     """Steps of a wide MLP with the pool's counters after each; a no_sync step; a backward
     that raises; allocations outside backward; gradients a user hook kept from step 0."""
     import torchring
-    from torchring import memory
+    from torchring._wrap import memory
 
     with session():
         torch.manual_seed(5)
@@ -117,7 +117,7 @@ def _pool_churn_job(rank: int) -> list[dict[str, Any]]:
     """With an 8 MiB pool, step 0's backward also frees two 4 MiB blocks of a size that never
     comes back, before fc2's 1 MiB gradient returns to the pool."""
     import torchring
-    from torchring import memory
+    from torchring._wrap import memory
 
     with session():
         torch.manual_seed(6)
@@ -152,7 +152,7 @@ def test_gradient_pool_evicts_sizes_that_stop_recurring() -> None:
 
 def _pool_off_job(rank: int) -> dict[str, Any]:
     import torchring
-    from torchring import memory
+    from torchring._wrap import memory
 
     with session():
         ddp = torchring.wrap(MLP(hidden=WIDE))

@@ -6,24 +6,22 @@
     group = torchring.new_group([0, 1])    # every rank calls it; group.allreduce(tensor) ...
 """
 
-from . import c10d, cuda  # torchring.cuda.path(), reason(), device()
-from ._context import (init, is_initialized, local_rank, local_size, rank, shutdown, size,
-                       transport)
-from ._errors import (CollectiveMismatchError, CommunicatorFailedError, TorchringError,
-                      WaitTimeoutError)
-from .collectives import (Handle, ReduceOp, allgather, allgather_async, allgather_object,
-                          allreduce, allreduce_async, barrier, barrier_async, broadcast,
-                          broadcast_async, broadcast_object, reduce_scatter,
-                          reduce_scatter_async)
-from .exchange import all_to_all_single, all_to_all_single_async, alltoall, alltoall_async
-from .groups import Group, new_group, world_group
-from .p2p import irecv, isend, recv, send
-from .rooted import (allgather_into, allgather_into_async, allreduce_many, allreduce_many_async,
-                     gather, gather_async, reduce, reduce_async, reduce_scatter_into,
-                     reduce_scatter_into_async, scatter, scatter_async)
-from .memory import empty
-from .model import DistributedModel, wrap
-from .sync_batch_norm import SyncBatchNorm
+# torchring.cuda.path(), reason(), device(); torchring.memory.empty(), grad_pool_stats()
+from . import c10d, cuda, memory
+from ._core.context import init, is_initialized, local_rank, local_size, rank, shutdown, size, transport
+from ._core.errors import CollectiveMismatchError, CommunicatorFailedError, TorchringError, WaitTimeoutError
+from .collectives.basic import (Handle, ReduceOp, allgather, allgather_async, allgather_object, allreduce,
+                                allreduce_async, barrier, barrier_async, broadcast, broadcast_async,
+                                broadcast_object, reduce_scatter, reduce_scatter_async)
+from .collectives.exchange import all_to_all_single, all_to_all_single_async, alltoall, alltoall_async
+from .collectives.groups import Group, new_group, world_group
+from .collectives.p2p import irecv, isend, recv, send
+from .collectives.rooted import (allgather_into, allgather_into_async, allreduce_many, allreduce_many_async,
+                                 gather, gather_async, reduce, reduce_async, reduce_scatter_into,
+                                 reduce_scatter_into_async, scatter, scatter_async)
+from ._wrap.memory import empty
+from ._wrap.model import DistributedModel, wrap
+from ._wrap.sync_batch_norm import SyncBatchNorm
 
 c10d.register()  # dist.init_process_group("torchring") from here on (nothing is built yet)
 

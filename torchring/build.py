@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from . import _build
+from ._core import build as _build
 
 
 def report() -> dict:

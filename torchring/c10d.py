@@ -24,8 +24,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import _build, _rendezvous
-from ._settings import Settings
+from ._core import build as _build, rendezvous as _rendezvous
+from ._core.settings import Settings
 
 __all__ = ["register", "BACKEND_NAME"]
 

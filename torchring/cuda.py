@@ -7,6 +7,6 @@
 
 from __future__ import annotations
 
-from ._gpu_path import device, path, reason
+from ._core.gpu_path import device, path, reason
 
 __all__ = ["path", "reason", "device"]

@@ -19,9 +19,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from torchring import CollectiveMismatchError, _build, _rendezvous
-from torchring._settings import Settings
-from torchring._types import OpKind, ReduceOp
+from torchring import CollectiveMismatchError
+from torchring._core import build as _build, rendezvous as _rendezvous
+from torchring._core.settings import Settings
+from torchring._core.types import OpKind, ReduceOp
 
 ENGINE = _build.load()
 

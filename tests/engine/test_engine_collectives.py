@@ -12,7 +12,7 @@ import torch
 
 from _checks import DTYPES, Checker, expected_allreduce, rank_input, reference, valid_ops
 from _world import run_world, submit
-from torchring._types import OpKind, ReduceOp
+from torchring._core.types import OpKind, ReduceOp
 
 # name -> (host of each rank, transport, one-shot limit); segments are 4 KiB (1024 float32)
 LAYOUTS = {

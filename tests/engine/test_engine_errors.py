@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torchring
 from _checks import expected_allreduce, rank_input
 from _world import ENGINE, allreduce, run_world, submit
-from torchring._types import OpKind
+from torchring._core.types import OpKind
 
 
 @pytest.mark.parametrize("hosts,transport", [("aaa", "shm"), ("abc", "tcp"), ("aab", "shm")])

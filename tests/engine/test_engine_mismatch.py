@@ -18,7 +18,7 @@ import torch
 from _checks import Checker, expected_allreduce, rank_input, reference
 from _world import mismatch_text, run_world, submit
 from test_mismatch import MISMATCHES, Call, expected_pair, message_problem
-from torchring._types import OpKind, ReduceOp
+from torchring._core.types import OpKind, ReduceOp
 
 # name -> (host of each rank, transport, odd ranks to try: first, a middle one, last)
 LAYOUTS = {

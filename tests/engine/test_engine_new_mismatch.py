@@ -16,7 +16,7 @@ import torch
 import torchring
 from _checks import Checker, expected_allreduce, rank_input, reference
 from _world import mismatch_text, payload, run_world, submit_op
-from torchring._types import OpKind, ReduceOp
+from torchring._core.types import OpKind, ReduceOp
 
 # name -> (host of each rank, transport, the odd rank, (sender, receiver) pairs for send/recv:
 # within a host and across hosts where the layout has both)

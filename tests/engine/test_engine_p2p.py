@@ -14,7 +14,7 @@ import torch
 
 from _checks import Checker, expected_allreduce, rank_input
 from _world import payload, run_world, submit
-from torchring._types import OpKind
+from torchring._core.types import OpKind
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
           torch.int16, torch.int32, torch.int64, torch.bool]

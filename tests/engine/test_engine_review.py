@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from _world import run_world, submit_op
-from torchring._types import OpKind
+from torchring._core.types import OpKind
 
 
 @pytest.mark.parametrize("transport,hosts", [("shm", "aa"), ("tcp", "ab")])

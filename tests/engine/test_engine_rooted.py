@@ -15,7 +15,7 @@ import torch
 
 from _checks import Checker, expected_allreduce, rank_input, reference, valid_ops
 from _world import run_world, submit_op
-from torchring._types import OpKind, ReduceOp
+from torchring._core.types import OpKind, ReduceOp
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
           torch.int16, torch.int32, torch.int64, torch.bool]

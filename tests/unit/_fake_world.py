@@ -8,9 +8,9 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from torchring import _context, _env, _rendezvous
-from torchring._settings import Settings
-from torchring._types import OpKind
+from torchring._core import context as _context, env as _env, rendezvous as _rendezvous
+from torchring._core.settings import Settings
+from torchring._core.types import OpKind
 
 PREFIX = "torchring/job/0/0/"
 

@@ -10,8 +10,9 @@ import torch
 
 import torchring
 from _fake_world import PREFIX, FakeWorld
-from torchring import CommunicatorFailedError, _context
-from torchring._types import OpKind
+from torchring import CommunicatorFailedError
+from torchring._core import context as _context
+from torchring._core.types import OpKind
 
 
 def _published(w: FakeWorld, gid: int, rank: int) -> list[int]:

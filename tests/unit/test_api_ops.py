@@ -12,7 +12,7 @@ import torch
 import torchring
 from _fake_world import FakeWorld
 from torchring import CollectiveMismatchError, ReduceOp
-from torchring._types import OpKind
+from torchring._core.types import OpKind
 
 
 def _world(monkeypatch: pytest.MonkeyPatch, rank: int = 1, size: int = 3) -> FakeWorld:

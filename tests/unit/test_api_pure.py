@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchring import _groups
-from torchring.collectives import rows_of
-from torchring.exchange import split_counts
-from torchring.rooted import by_dtype, split_rows
+from torchring._core import group_wiring as _groups
+from torchring.collectives.basic import rows_of
+from torchring.collectives.exchange import split_counts
+from torchring.collectives.rooted import by_dtype, split_rows
 
 
 def test_ranks_are_sorted_world_ranks() -> None:

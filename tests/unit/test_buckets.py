@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from torchring import buckets
+from torchring._wrap import buckets
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda", 0)  # devices are only compared here
 F32, F16 = torch.float32, torch.float16

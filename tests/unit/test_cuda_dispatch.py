@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 import torch
 
-from torchring import _context, _gpu_path, collectives
-from torchring._types import OpKind, ReduceOp
+from torchring._core import context as _context, gpu_path as _gpu_path
+from torchring.collectives import basic as collectives
+from torchring._core.types import OpKind, ReduceOp
 
 
 class _Work:

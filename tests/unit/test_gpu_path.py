@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 import torch
 
-from torchring import _gpu_path, cuda
-from torchring._gpu_path import choose_device, choose_path
-from torchring._settings import Settings
+from torchring._core import gpu_path as _gpu_path
+from torchring import cuda
+from torchring._core.gpu_path import choose_device, choose_path
+from torchring._core.settings import Settings
 
 TWO_GPUS = ["hostA|uuid-0", "hostA|uuid-1"]
 SHARED = ["hostA|uuid-0", "hostA|uuid-0"]

@@ -9,7 +9,7 @@ from typing import Iterator
 
 import pytest
 
-from torchring._log import logger
+from torchring._core.log import logger
 from torchring.horovod import knobs
 
 MIB = 1024 * 1024

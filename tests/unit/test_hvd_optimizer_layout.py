@@ -9,7 +9,7 @@ import torch
 
 from torchring.horovod import _grad_sync
 from torchring.horovod._grad_sync import bucket_caps, group_assignment
-from torchring.reducer import Reducer
+from torchring._wrap.reducer import Reducer
 
 
 def _params(*numels: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import torchring.horovod as hvd
-from torchring._errors import WaitTimeoutError
-from torchring._types import ReduceOp
+from torchring._core.errors import WaitTimeoutError
+from torchring._core.types import ReduceOp
 from torchring.horovod import handles, negotiator, ops_gather, ops_reduce, process_sets, timeline
 from torchring.horovod.negotiator import Done, Entry, Negotiator, Request, validate
 

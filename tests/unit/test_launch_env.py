@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from torchring import _env
+from torchring._core import env as _env
 
 
 def test_torchrun_contract() -> None:

@@ -8,27 +8,20 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "torchring"
 
-# Lowest first. A module may import from lower layers only (within torchring.data and
-# torchring.horovod, from its own sub-package too). A new module belongs in this table.
+# Lowest first: a folder (or a top-level module) may import from lower layers only; the
+# modules inside one folder may import each other, never in a circle. A new module belongs in
+# a folder of this table (or, for a public entry point, beside them).
 LAYERS = [
-    {"_errors", "_env", "_settings", "_log", "_types", "_output"},
-    {"_build", "_gpu_path", "_rendezvous", "_threads", "_ssh_launch"},
-    {"_context", "cuda", "build", "c10d"},
-    {"_groups", "run"},
-    {"_ssh_node"},
-    {"collectives"},
-    {"rooted", "exchange", "p2p"},
-    {"groups"},
-    {"memory"},
-    {"buckets"},
-    {"reducer", "join"},
-    {"model", "sync_batch_norm"},
-    {"data"},
-    {"horovod"},
+    {"_core"},                             # settings, env, errors, log, types, build, context, ...
+    {"cuda", "build", "c10d"},             # public entry points on the core
+    {"collectives", "launch"},             # the collectives API and groups; the launcher
+    {"_wrap"},                             # wrap: model, reducer, buckets, join, memory
+    {"data", "memory"},                    # torchring.data; torchring.memory (public names)
+    {"horovod", "run"},                    # torchring.horovod; python -m torchring.run
 ]
 
-# Sub-packages whose modules may import each other (never in a circle).
-PACKAGES = ("data", "horovod")
+# Folders whose modules may import each other (never in a circle).
+PACKAGES = ("_core", "collectives", "_wrap", "launch", "data", "horovod")
 
 
 def _modules() -> dict[str, Path]:

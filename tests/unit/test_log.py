@@ -10,8 +10,8 @@ from typing import Iterator
 
 import pytest
 
-from torchring import _build
-from torchring._log import logger
+from torchring._core import build as _build
+from torchring._core.log import logger
 
 
 @contextlib.contextmanager

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from torchring import _env, _output, _threads
+from torchring._core import env as _env
+from torchring.launch import output as _output, threads as _threads
 
 P = b"[0]: "
 

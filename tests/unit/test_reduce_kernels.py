@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchring import _build
+from torchring._core import build as _build
 
 ENGINE = _build.load()
 OPS = {"SUM": 0, "MIN": 2, "MAX": 3, "PRODUCT": 4}

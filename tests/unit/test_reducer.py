@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from torchring import ReduceOp
-from torchring.reducer import Reducer
+from torchring._wrap.reducer import Reducer
 
 SHAPES = {"a": (2, 3), "b": (4,), "c": (3, 1)}  # 24, 16 and 12 bytes of float32
 

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed.run as torchrun
 
-from torchring import run
+from torchring.launch import cli as run
 
 
 def _args(**overrides: object) -> SimpleNamespace:

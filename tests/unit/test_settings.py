@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import torchring
-from torchring._settings import VARIABLES, Settings, cache_dir
+from torchring._core.settings import VARIABLES, Settings, cache_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 

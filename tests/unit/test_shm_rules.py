@@ -15,7 +15,7 @@ import itertools
 
 import pytest
 
-from torchring import _build
+from torchring._core import build as _build
 
 ENGINE = _build.load()
 PAGE = 4096

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from torchring import _ssh_launch as sl
-from torchring import _ssh_node, run
+from torchring.launch import ssh as sl
+from torchring.launch import node as _ssh_node, cli as run
 
 
 def test_ranks_fill_the_hosts_in_their_order() -> None:
@@ -86,7 +86,7 @@ def test_the_node_reads_back_what_the_launcher_wrote() -> None:
     argv = sl.node_argv(host="h 1", node_rank=1, nnodes=3, nproc=2, master="h0", port=29511, job="j1",
                         monitor_interval=0.25, prefix=False, rank0_only=True,
                         command=["train.py", "--epochs", "3", "--", "-x y"])
-    assert argv[:4] == [sys.executable, "-u", "-m", "torchring._ssh_node"]
+    assert argv[:4] == [sys.executable, "-u", "-m", "torchring.launch.node"]
     args = _ssh_node._parser().parse_args(argv[4:])
     assert (args.host, args.node_rank, args.nnodes, args.nproc, args.master, args.port, args.job) == \
         ("h 1", 1, 3, 2, "h0", 29511, "j1")

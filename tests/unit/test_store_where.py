@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from torchring import _rendezvous
+from torchring._core import rendezvous as _rendezvous
 
 
 def _info(host: str, addr: str) -> dict:

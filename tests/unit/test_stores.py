@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchring import _build
+from torchring._core import build as _build
 
 ENGINE = _build.load()
 SEGMENT = 1 << 20

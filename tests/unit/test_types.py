@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from torchring import _types
+from torchring._core import types as _types
 
 # What the engine declares (issue #11): op kinds, and dtypes in the engine's enum order.
 ENGINE_OP_KINDS = {"ALLREDUCE": 0, "BROADCAST": 1, "ALLGATHER": 2, "REDUCE_SCATTER": 3, "BARRIER": 4,

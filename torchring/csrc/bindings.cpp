@@ -27,7 +27,7 @@ namespace {
 
 // Raises the Python class of torchring._errors named `name` with `what` as its message.
 void raise(const char* name, const char* what) {
-  py::object cls = py::module_::import("torchring._errors").attr(name);
+  py::object cls = py::module_::import("torchring._core.errors").attr(name);
   PyErr_SetString(cls.ptr(), what);
 }
 

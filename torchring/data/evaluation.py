@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import collectives
+from ..collectives import basic as collectives
 from .sampler import DistributedSampler
 
 __all__ = ["gather_ordered", "all_reduce_metrics"]

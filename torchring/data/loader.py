@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
-from .. import _context, _env
+from .._core import context as _context, env as _env
 from .iterable import ShardedIterableDataset
 from .sampler import DistributedSampler
 

@@ -9,7 +9,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from .. import _gpu_path
+from .._core import gpu_path as _gpu_path
 
 __all__ = ["DevicePrefetcher"]
 

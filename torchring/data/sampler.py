@@ -24,7 +24,7 @@ from typing import Iterator, Sized
 import torch
 from torch.utils.data import Sampler
 
-from .. import _context
+from .._core import context as _context
 
 __all__ = ["DistributedSampler"]
 

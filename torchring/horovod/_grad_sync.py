@@ -43,11 +43,12 @@ from typing import Any, Sequence
 
 import torch
 
-from .. import _context, memory
-from .._errors import TorchringError
-from .._types import ReduceOp
-from ..buckets import assign
-from ..reducer import Reducer
+from .._core import context as _context
+from .._wrap import memory
+from .._core.errors import TorchringError
+from .._core.types import ReduceOp
+from .._wrap.buckets import assign
+from .._wrap.reducer import Reducer
 from . import _join_sync, basics, knobs, timeline
 from .compression import wire_dtype
 

@@ -36,7 +36,7 @@ import weakref
 import zlib
 from typing import Any, Protocol, Sequence
 
-from .. import _context
+from .._core import context as _context
 from . import timeline
 from .negotiator import Done, Entry, Negotiator, Request, register_joined_starter
 from .process_sets import global_process_set

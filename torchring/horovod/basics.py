@@ -11,8 +11,8 @@ import os
 
 import torch
 
-from .. import _build, _context, _errors
-from .._types import ReduceOp
+from .._core import build as _build, context as _context, errors as _errors
+from .._core.types import ReduceOp
 
 __all__ = ["is_initialized", "size", "rank", "local_size", "local_rank",
            "cross_size", "cross_rank", "mpi_built", "gloo_built", "nccl_built", "ddl_built",

@@ -19,8 +19,8 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from .. import _errors
-from .._types import DTYPES
+from .._core import errors as _errors
+from .._core.types import DTYPES
 from . import basics
 from .process_sets import ProcessSet, global_process_set
 

@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .. import _errors
+from .._core import errors as _errors
 from . import timeline
 from .basics import HorovodInternalError
 from .negotiator import Done, Entry

@@ -30,8 +30,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from .. import _context
-from .._log import logger
+from .._core import context as _context
+from .._core.log import logger
 
 __all__ = ["Knobs", "current", "unused", "report_unused", "DEFAULT_FUSION_THRESHOLD"]
 

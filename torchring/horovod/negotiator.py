@@ -36,8 +36,8 @@ from typing import Any, Callable
 
 import torch
 
-from .. import _log
-from .._errors import WaitTimeoutError
+from .._core import log as _log
+from .._core.errors import WaitTimeoutError
 from . import timeline
 
 __all__ = ["Done", "Request", "Entry", "Negotiator", "validate", "register_joined_starter"]

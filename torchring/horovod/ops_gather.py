@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .. import _context
+from .._core import context as _context
 from .basics import Average, Sum, op_name, to_reduce_op
 from .compression import Compression
 from .negotiator import Request, register_joined_starter

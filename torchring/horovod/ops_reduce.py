@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .. import cuda
-from .._types import DTYPES
+from .._core.types import DTYPES
 from . import handles
 from .basics import Average, Sum, to_reduce_op
 from .compression import Compression

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from .. import _context, groups
+from .._core import context as _context
+from ..collectives import groups
 from . import knobs
 from .negotiator import Negotiator
 

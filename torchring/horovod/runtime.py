@@ -15,7 +15,7 @@ import atexit
 import os
 from typing import Any
 
-from .. import _context
+from .._core import context as _context
 from . import basics, handles, knobs, process_sets, timeline
 
 __all__ = ["init", "shutdown", "start_timeline", "stop_timeline"]

@@ -9,9 +9,9 @@ with ``track_running_stats=False`` also synchronizes its batch statistics in eva
 
 from __future__ import annotations
 
-from .. import _context
-from ..groups import Group
-from ..sync_batch_norm import SyncBatchNorm as _TorchringSyncBatchNorm
+from .._core import context as _context
+from ..collectives.groups import Group
+from .._wrap.sync_batch_norm import SyncBatchNorm as _TorchringSyncBatchNorm
 from .process_sets import global_process_set
 
 __all__ = ["SyncBatchNorm"]

@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, TypeVar
 
-from ... import _errors, _log
+from ..._core import errors as _errors, log as _log
 from .. import basics
 from . import _commits
 from .sampler import ElasticSampler

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ... import _context
+from ..._core import context as _context
 
 __all__ = ["enabled", "directory", "path", "write", "read", "mark_job", "job_was_marked", "remove"]
 

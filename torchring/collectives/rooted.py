@@ -12,11 +12,11 @@ from typing import Any, Sequence
 
 import torch
 
-from ._errors import CollectiveMismatchError
-from ._groups import GroupBase, Target, target
-from ._types import Handle, OpKind, ReduceOp, describe, dtype_name, profiled
-from .collectives import (_check_op, _check_rank, _check_rows, _check_tensor, _host, _overlap,
-                          _run, _scale_kwargs, _submit, _Works, rows_of)
+from .._core.errors import CollectiveMismatchError
+from .._core.group_wiring import GroupBase, Target, target
+from .._core.types import Handle, OpKind, ReduceOp, describe, dtype_name, profiled
+from .basic import (_check_op, _check_rank, _check_rows, _check_tensor, _host, _overlap, _run, _scale_kwargs,
+                    _submit, _Works, rows_of)
 
 __all__ = [
     "reduce", "reduce_async", "gather", "gather_async", "scatter", "scatter_async",

@@ -31,9 +31,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import _env
-from ._errors import CommunicatorFailedError
-from ._settings import Settings
+from . import env as _env
+from .errors import CommunicatorFailedError
+from .settings import Settings
 
 _stores: dict[tuple[str, int], dist.Store] = {}
 

@@ -27,9 +27,10 @@ from typing import Any, Callable
 
 import torch
 
-from . import _context, _gpu_path
-from ._groups import GroupBase, Target, target
-from ._types import DTYPES, FLOATS, Handle, OpKind, ReduceOp, _profiler_on, describe, dtype_name, profiled
+from .._core import context as _context, gpu_path as _gpu_path
+from .._core.group_wiring import GroupBase, Target, target
+from .._core.types import (DTYPES, FLOATS, Handle, OpKind, ReduceOp, _profiler_on, describe, dtype_name,
+                           profiled)
 
 __all__ = [
     "ReduceOp", "Handle", "allreduce", "allreduce_async", "broadcast", "broadcast_async",

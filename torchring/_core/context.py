@@ -18,8 +18,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import _build, _env, _gpu_path, _rendezvous
-from ._settings import Settings
+from . import build as _build, env as _env, gpu_path as _gpu_path, rendezvous as _rendezvous
+from .settings import Settings
 
 
 @dataclass

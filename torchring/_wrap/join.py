@@ -32,9 +32,10 @@ from typing import Any, Protocol
 
 import torch
 
-from . import _context, collectives
-from ._errors import TorchringError
-from ._types import ReduceOp
+from .._core import context as _context
+from ..collectives import basic as collectives
+from .._core.errors import TorchringError
+from .._core.types import ReduceOp
 
 __all__ = ["Join", "Round"]
 

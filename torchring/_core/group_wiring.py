@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Sequence, TypeVar
 
-from . import _context, _rendezvous
+from . import context as _context, rendezvous as _rendezvous
 
 
 def normalize_ranks(ranks: Any, world: int, rank: int) -> tuple[int, ...]:

@@ -47,8 +47,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import _context, buckets, collectives
-from ._types import ReduceOp
+from .._core import context as _context
+from . import buckets
+from ..collectives import basic as collectives
+from .._core.types import ReduceOp
 
 __all__ = ["Reducer", "AllreduceAsync", "AgreeOnOrder", "Allocate"]
 

@@ -24,8 +24,9 @@ from torch.distributed.elastic.agent.server import local_elastic_agent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from . import _build, _output, _threads, run
-from ._settings import Settings
+from .._core import build as _build
+from . import output as _output, threads as _threads, cli as run
+from .._core.settings import Settings
 
 __all__ = ["node_main", "AGENT_GRACE_S"]
 
@@ -34,7 +35,7 @@ AGENT_GRACE_S = 15.0  # after every local rank exited, one failed: then the node
 
 def _parser() -> argparse.ArgumentParser:
     """The node's command line (node_argv in _ssh_launch writes it)."""
-    p = argparse.ArgumentParser(prog="python -m torchring._ssh_node",
+    p = argparse.ArgumentParser(prog="python -m torchring.launch.node",
                                 description="one host's part of a torchring-run -H job (started by it)")
     p.add_argument("--host", required=True)
     p.add_argument("--node-rank", type=int, required=True)

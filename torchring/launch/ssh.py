@@ -3,7 +3,7 @@
     torchring-run -H node0:2,node1:2 python train.py --epochs 3
 
 The launcher starts a *node* process on every host: directly on this host, through
-`ssh [-p PORT] [-i KEY] HOST 'cd CWD && exec env VAR=... PYTHON -u -m torchring._ssh_node ...'`
+`ssh [-p PORT] [-i KEY] HOST 'cd CWD && exec env VAR=... PYTHON -u -m torchring.launch.node ...'`
 on the others (TORCHRING_SSH replaces `ssh`, e.g. TORCHRING_SSH='ssh -o StrictHostKeyChecking=no').
 Each node runs torch's elastic agent (torch.distributed.run) with the static rendezvous: node i
 has --node-rank=i and the store lives on the first host, so host i's ranks come before host
@@ -41,8 +41,9 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Callable, Mapping, Sequence
 
-from . import _env, _output
-from ._settings import Settings
+from .._core import env as _env
+from . import output as _output
+from .._core.settings import Settings
 
 __all__ = ["FORWARD_NAMES", "FORWARD_PREFIXES", "NOT_FORWARDED", "plan_hosts", "forwarded_env",
            "master_address", "node_argv", "remote_command", "ssh_argv", "launch", "launch_args"]
@@ -111,7 +112,7 @@ def node_argv(*, host: str, node_rank: int, nnodes: int, nproc: int, master: str
               job: str, monitor_interval: float, prefix: bool, rank0_only: bool,
               command: Sequence[str]) -> list[str]:
     """The command line of node `node_rank` (this interpreter, this module) running `command`."""
-    out = [sys.executable, "-u", "-m", "torchring._ssh_node", f"--host={host}",
+    out = [sys.executable, "-u", "-m", "torchring.launch.node", f"--host={host}",
            f"--node-rank={node_rank}", f"--nnodes={nnodes}", f"--nproc={nproc}",
            f"--master={master}", f"--port={port}", f"--job={job}",
            f"--monitor-interval={monitor_interval}"]

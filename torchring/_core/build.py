@@ -23,11 +23,11 @@ from types import ModuleType
 
 import torch
 
-from . import _settings, _types
-from ._log import logger
+from . import settings as _settings, types as _types
+from .log import logger
 
 _NAME = "torchring_C"
-_CSRC = Path(__file__).resolve().parent / "csrc"
+_CSRC = Path(__file__).resolve().parents[1] / "csrc"
 # The C++ standard: whatever this torch needs (cpp_extension sets it).
 _CFLAGS = ["-O3", "-march=native", "-fwrapv", "-Wall", "-Werror=return-type", "-Wno-unused-function"]
 # TORCHRING_DEBUG_BUILD=1: unoptimized, with AddressSanitizer and UBSan (its own cache entry).

@@ -4,7 +4,7 @@ the host's ranks, at least 1 each. torchrun instead sets 1 and prints a banner a
 
 from __future__ import annotations
 
-from . import _env
+from .._core import env as _env
 
 __all__ = ["threads_per_rank", "set_rank_threads"]
 

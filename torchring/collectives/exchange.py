@@ -13,9 +13,9 @@ from typing import Any, Sequence
 
 import torch
 
-from ._groups import GroupBase, target
-from ._types import Handle, OpKind, describe, profiled
-from .collectives import _check_rows, _check_tensor, _host, _overlap, _submit
+from .._core.group_wiring import GroupBase, target
+from .._core.types import Handle, OpKind, describe, profiled
+from .basic import _check_rows, _check_tensor, _host, _overlap, _submit
 
 __all__ = ["alltoall", "alltoall_async", "all_to_all_single", "all_to_all_single_async"]
 

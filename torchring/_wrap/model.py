@@ -37,9 +37,11 @@ from torch import nn
 
 from torch.utils import _pytree
 
-from . import _context, _gpu_path, collectives, memory
-from ._errors import TorchringError
-from ._types import DTYPES, describe
+from .._core import context as _context, gpu_path as _gpu_path
+from ..collectives import basic as collectives
+from . import memory
+from .._core.errors import TorchringError
+from .._core.types import DTYPES, describe
 from .join import Join, Round
 from .reducer import Reducer
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from ._groups import GroupBase, Target, target
-from ._types import Handle, profiled
-from .collectives import _check_rank, _check_tensor, _host
+from .._core.group_wiring import GroupBase, Target, target
+from .._core.types import Handle, profiled
+from .basic import _check_rank, _check_tensor, _host
 
 __all__ = ["send", "recv", "isend", "irecv"]
 

@@ -17,8 +17,9 @@ from typing import Any, Sequence
 
 import torch
 
-from . import _groups, collectives, exchange, p2p, rooted
-from ._types import Handle, ReduceOp
+from .._core import group_wiring as _groups
+from . import basic as collectives, exchange, p2p, rooted
+from .._core.types import Handle, ReduceOp
 from .exchange import Splits
 
 __all__ = ["Group", "new_group", "world_group"]

@@ -27,8 +27,8 @@ from typing import Any, Sequence
 
 import torch
 
-from ._log import logger
-from ._settings import Settings
+from .log import logger
+from .settings import Settings
 
 _path = "none"
 _reason = "no CUDA device"

@@ -28,8 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import _context, collectives
-from .groups import Group, world_group
+from .._core import context as _context
+from ..collectives import basic as collectives
+from ..collectives.groups import Group, world_group
 
 __all__ = ["SyncBatchNorm"]
 
