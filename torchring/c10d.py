@@ -9,7 +9,7 @@ DeviceMesh sub-group, on its members only) with the group's store, already prefi
 as the rendezvous: no second store. ``_create`` meets the group's other ranks through it (the
 job secret from the group's rank 0, every rank's host), wires an engine Communicator (shared
 memory within a host, a TCP ring between hosts, point-to-point streams) exactly as
-``torchring.init()`` does, and wraps it in the C++ backend (csrc/c10d_backend.h). The process
+``torchring.init()`` does, and wraps it in the C++ backend (csrc/c10d/backend.h). The process
 group's timeout becomes the engine's: a mismatch or a dead peer fails the op's Work and
 Future within it. ``destroy_process_group()`` shuts the communicator down.
 """

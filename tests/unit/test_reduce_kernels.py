@@ -1,4 +1,4 @@
-"""The engine's reduction kernels (csrc/reduce.cpp) against torch, in process, through the
+"""The engine's reduction kernels (csrc/core/reduce.cpp) against torch, in process, through the
 test-only ``reduce_tensors`` binding: exact integer sums, float16/bfloat16 accumulated in float32
 and rounded once, NaN and inf, block boundaries."""
 

@@ -1,4 +1,4 @@
-"""Shared memory's placement and spin rules (csrc/shm/group.cpp) as pure functions, in process.
+"""Shared memory's placement and spin rules (csrc/transport/shm/group.cpp) as pure functions, in process.
 
 Staging shifts: where each local rank stages a staged allreduce in its staging buffers, given
 every rank's tensor offset in its page. A store and a load whose addresses agree in their low

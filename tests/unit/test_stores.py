@@ -1,4 +1,4 @@
-"""The staging-store rule (csrc/stores.h) as a pure function, and the streaming copy, in process.
+"""The staging-store rule (csrc/core/stores.h) as a pure function, and the streaming copy, in process.
 
 StoreChooser starts with cached stores, probes streaming stores every few segments, switches
 when a probe beats the running average by 20 %, and backs off its probes (doubling, up to one

@@ -73,11 +73,15 @@ def cuda_home() -> str | None:
 
 def sources() -> list[Path]:
     """The engine's C++ sources: the CPU engine, plus the NCCL path when it can be built."""
-    # cpp_extension names each object file after its source's base name: keep base names
-    # unique across csrc/, csrc/shm/ and csrc/cuda/.
-    found = sorted(_CSRC.glob("*.cpp")) + sorted(_CSRC.glob("shm/*.cpp"))
+    found = sorted(p for p in _CSRC.rglob("*.cpp") if p.parent.name != "cuda")
     if nccl_paths() is not None:
         found += sorted(_CSRC.glob("cuda/*.cpp"))
+    # cpp_extension names each object file after its source's base name alone.
+    names = [p.stem for p in found]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise RuntimeError(f"torchring/csrc: sources share a base name, but each needs an object "
+                           f"file of its own: rename one of each {twice}")
     return found
 
 
@@ -164,7 +168,8 @@ def _compile(directory: Path, verbose: bool) -> None:
 
     start = time.time()
     logger.info("building the engine in %s (once per torch version)...", directory)
-    cflags, includes, ldflags = flags(), [], [_SANITIZE] if _debug() else []
+    # Every #include of the engine's own headers is written from csrc/ ("core/common.h").
+    cflags, includes, ldflags = flags(), [str(_CSRC)], [_SANITIZE] if _debug() else []
     if nccl is not None:
         include, lib = nccl
         cflags.append("-DTORCHRING_WITH_NCCL")

@@ -36,7 +36,7 @@ def empty(shape: int | Sequence[int], dtype: torch.dtype = torch.float32) -> tor
 
 # --------------------------------------------------------------- gradient memory pool
 # Large CPU allocations made inside a wrapped model's backward (its fresh gradients) reuse
-# memory kept between steps instead of faulting new pages in (csrc/grad_pool.cpp).
+# memory kept between steps instead of faulting new pages in (csrc/memory/grad_pool.cpp).
 _POOL_SLACK = 64 << 20
 _reservations: dict[int, int] = {}  # token -> CPU gradient bytes of a live wrapped model
 _tokens = itertools.count()

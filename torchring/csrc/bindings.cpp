@@ -7,11 +7,11 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
-#include "c10d_backend.h"
-#include "communicator.h"
-#include "grad_pool.h"
-#include "reduce.h"
-#include "stores.h"
+#include "c10d/backend.h"
+#include "engine/communicator.h"
+#include "memory/grad_pool.h"
+#include "core/reduce.h"
+#include "core/stores.h"
 #ifdef TORCHRING_WITH_NCCL
 #include "cuda/nccl.h"
 #endif
@@ -138,7 +138,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("build_info", &buildInfo);
   m.def("allreduce_now_function", &allreduceNowFunction, py::arg("comm"));
-  // torch.distributed's backend over `comm` (c10d_backend.h); torch.distributed must be
+  // torch.distributed's backend over `comm` (c10d/backend.h); torch.distributed must be
   // imported first, so that the c10d Backend type it returns is known to pybind.
   m.def(
       "make_c10d_backend",
@@ -199,7 +199,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale") = 1.0, "Test-only: dst = srcs[0] op srcs[1] ... with the engine's kernels.");
 
   namespace gradpool = torchring::gradpool;
-  // Shared memory's placement and spin rules (shm/group.cpp), for the unit tests.
+  // Shared memory's placement and spin rules (transport/shm/group.cpp), for the unit tests.
   m.def("_staging_shifts", &torchring::ShmGroup::stagingShifts, py::arg("page_offsets"));
   m.def(
       "_cpu_sets_suffice",
@@ -215,7 +215,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return torchring::ShmGroup::cpusSuffice(masks);
       },
       py::arg("cpu_sets"));
-  // The staging-store rule (stores.h) on given timings: segment i, which copies `bytes` in,
+  // The staging-store rule (core/stores.h) on given timings: segment i, which copies `bytes` in,
   // takes cached_seconds[i] or streaming_seconds[i], in the mode the chooser picks; returns
   // the modes picked (True: streaming).
   m.def(
@@ -271,7 +271,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("seq", &Work::seq);
   py::class_<torchring::CpuWork, Work, std::shared_ptr<torchring::CpuWork>>(m, "CpuWork");
 
-  py::class_<CommOptions>(m, "CommOptions", "What a Communicator is made from (communicator.h).")
+  py::class_<CommOptions>(m, "CommOptions", "What a Communicator is made from (engine/communicator.h).")
       .def(py::init<>())
       .def_readwrite("rank", &CommOptions::rank, "this process's rank in [0, size)")
       .def_readwrite("size", &CommOptions::size, "number of ranks")

@@ -1,4 +1,4 @@
-#include "nccl.h"
+#include "cuda/nccl.h"
 
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>

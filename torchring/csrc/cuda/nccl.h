@@ -15,9 +15,9 @@
 #include <string>
 #include <thread>
 
-#include "../common.h"
-#include "../communicator.h"
-#include "../work.h"
+#include "core/common.h"
+#include "engine/communicator.h"
+#include "core/work.h"
 
 namespace torchring {
 

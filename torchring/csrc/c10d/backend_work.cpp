@@ -1,0 +1,142 @@
+// C10dWork and its Completer (backend_work.h).
+#include "c10d/backend_work.h"
+
+#include <ATen/core/ivalue.h>
+
+#include <algorithm>
+
+#include "core/common.h"
+
+namespace torchring {
+
+namespace {
+
+c10::TypePtr futureType(bool nested) {
+  auto list = c10::ListType::create(c10::TensorType::get());
+  return nested ? c10::ListType::create(list) : list;
+}
+
+// The CUDA devices of `outputs`: a Future holding CUDA tensors must name them (it records an
+// event on each when it completes, so that users of the value wait for the copies back).
+std::vector<c10::Device> devicesOf(const std::vector<at::Tensor>& outputs,
+                                   const std::vector<std::vector<at::Tensor>>& nested) {
+  std::vector<c10::Device> devices;
+  auto add = [&](const at::Tensor& t) {
+    if (t.defined() && t.is_cuda() && std::find(devices.begin(), devices.end(), t.device()) == devices.end()) {
+      devices.push_back(t.device());
+    }
+  };
+  for (const auto& t : outputs) add(t);
+  for (const auto& list : nested) {
+    for (const auto& t : list) add(t);
+  }
+  return devices;
+}
+
+// `message` with the advice torchring's own API gives replaced by torch.distributed's (the
+// timeout is init_process_group's, the restart is destroy/init_process_group).
+std::string torchAdvice(std::string message) {
+  const std::pair<const char*, const char*> swaps[] = {
+      {kRecoveryHint, "the process group failed: call dist.destroy_process_group() and "
+                      "dist.init_process_group() on every rank to start over (or let torchrun "
+                      "--max-restarts restart the job)"},
+      {"raise TORCHRING_TIMEOUT", "raise init_process_group(timeout=...)"},
+      {"torchring.shutdown()", "dist.destroy_process_group()"},
+      {"torchring.init()", "dist.init_process_group()"},
+  };
+  for (const auto& [from, to] : swaps) {
+    const std::string needle(from);
+    for (size_t at = message.find(needle); at != std::string::npos; at = message.find(needle, at + 1)) {
+      message.replace(at, needle.size(), to);
+    }
+  }
+  return message;
+}
+
+// The same exception class as `error`, its message in torch.distributed's words.
+std::exception_ptr forTorch(std::exception_ptr error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const MismatchError& e) {
+    return std::make_exception_ptr(MismatchError(torchAdvice(e.what())));
+  } catch (const CommFailedError& e) {
+    return std::make_exception_ptr(CommFailedError(torchAdvice(e.what())));
+  } catch (const WaitTimeoutError& e) {
+    return std::make_exception_ptr(WaitTimeoutError(torchAdvice(e.what())));
+  } catch (const TorchringError& e) {
+    return std::make_exception_ptr(TorchringError(torchAdvice(e.what())));
+  } catch (...) {
+    return error;
+  }
+}
+
+}  // namespace
+
+C10dWork::C10dWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs, bool nested,
+                   std::vector<std::vector<at::Tensor>> nestedOutputs)
+    : c10d::Work(rank, type),
+      outputs_(std::move(outputs)),
+      nested_(std::move(nestedOutputs)),
+      isNested_(nested),
+      future_(c10::make_intrusive<c10::ivalue::Future>(futureType(nested), devicesOf(outputs_, nested_))) {}
+
+void C10dWork::complete() {
+  std::exception_ptr error;
+  try {
+    for (auto& w : engine) w->wait(0);  // all finished: rethrows the first failure
+    if (post) post();
+  } catch (...) {
+    error = forTorch(std::current_exception());
+  }
+  engine.clear();  // drops the engine operations (and their callbacks, which hold this work)
+  keep.clear();
+  post = nullptr;
+  if (error) {
+    future_->setError(error);
+    finish(error);
+    return;
+  }
+  if (isNested_) {
+    future_->markCompleted(c10::IValue(nested_));
+  } else {
+    future_->markCompleted(c10::IValue(outputs_));
+  }
+  finish();
+}
+
+Completer::Completer() : thread_([this] { loop(); }) {}
+
+Completer::~Completer() { stop(); }
+
+void Completer::push(c10::intrusive_ptr<C10dWork> work) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ready_.push_back(std::move(work));
+  }
+  cv_.notify_one();
+}
+
+void Completer::stop() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  cv_.notify_one();
+  if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
+}
+
+void Completer::loop() {
+  while (true) {
+    c10::intrusive_ptr<C10dWork> work;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      cv_.wait(lock, [&] { return stopping_ || !ready_.empty(); });
+      if (ready_.empty()) return;  // stopping, and every handed-over work was completed
+      work = std::move(ready_.front());
+      ready_.pop_front();
+    }
+    work->complete();
+  }
+}
+
+}  // namespace torchring

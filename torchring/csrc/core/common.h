@@ -1,0 +1,142 @@
+// Types shared by every part of the engine: dtypes, reduce ops, the per-operation
+// header that ranks compare before moving data, and the engine's error type.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <stdexcept>
+#include <string>
+
+namespace torchring {
+
+// The engine's exceptions (docs/errors.md). Each surfaces in Python as the class of the same
+// role in torchring/_errors.py; bindings.cpp maps them. Violated invariants are not among
+// them: those are TORCH_INTERNAL_ASSERTs.
+//
+// TorchringError: the base, and on its own a failure that leaves the communicator as it was
+// (a call in a forked child, an operation dropped or refused because of shutdown()).
+class TorchringError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// The communicator failed and must be rebuilt (torchring.shutdown(); torchring.init()): a
+// dead or silent peer, a timeout, a broken connection. Every later operation fails too.
+class CommFailedError : public TorchringError {
+ public:
+  using TorchringError::TorchringError;
+};
+
+// Ranks issued different collectives (kind, dtype, shape, op or root) as one operation. Found
+// by the header exchange before any data moved, the same way on every rank: each rank fails
+// that operation with this error and the communicator stays usable for the next one.
+class MismatchError : public TorchringError {
+ public:
+  using TorchringError::TorchringError;
+};
+
+// Handle.wait(timeout) expired: the operation is still running and nothing is broken.
+class WaitTimeoutError : public TorchringError {
+ public:
+  using TorchringError::TorchringError;
+};
+
+// How every CommFailedError ends: what to do about it.
+extern const char* const kRecoveryHint;
+
+// Python's torchring._types mirrors these three; it checks them against the names and values
+// bindings.cpp publishes (REDUCE_OPS, DTYPES, OP_KINDS) when the engine loads.
+enum class ReduceOp : uint8_t { SUM = 0, AVG = 1, MIN = 2, MAX = 3, PRODUCT = 4 };
+enum class DType : uint8_t { F32 = 0, F64, F16, BF16, I8, U8, I32, I64, BOOL, I16 };
+// SEND and RECV name point-to-point Works (p2p.h); they never enter the ordered queue.
+enum class OpKind : uint8_t {
+  ALLREDUCE = 0, BROADCAST, ALLGATHER, REDUCE_SCATTER, BARRIER,
+  REDUCE, GATHER, SCATTER, ALLTOALL, ALLREDUCE_MANY, SEND, RECV
+};
+constexpr int kNumReduceOps = 5, kNumDTypes = 10, kNumOpKinds = 12;
+
+size_t elementSize(DType dtype);
+const char* dtypeName(DType dtype);
+const char* opName(ReduceOp op);
+const char* kindName(OpKind kind);
+
+// What one rank says it is about to run. Every rank publishes its header for operation
+// number `seq` and checks all the others before any data moves, so a mismatch becomes an
+// error on every rank instead of a hang or wrong numbers. Plain data: it is copied through
+// shared memory and sockets as bytes.
+struct OpHeader {
+  // Dims kept in the header; a tensor with more keeps the first kMaxDims - 1 and a hash of
+  // the rest in the last slot (compared exactly, shown as "...").
+  static constexpr int kMaxDims = 8;
+
+  uint64_t seq = 0;          // operation sequence number, counted per process from 0
+  uint64_t count = 0;        // elements this rank contributes
+  uint64_t rowElems = 0;     // allgather, alltoall: elements per dim-0 row (must match); else 0
+  uint64_t rows = 0;         // allgather, alltoall: dim-0 size of this rank's tensor (may differ);
+                             // allreduce_many: the number of tensors
+  uint64_t shapesHash = 0;   // allreduce_many: hash of every tensor's shape, in order
+  double prescale = 1.0;     // allreduce, reduce_scatter, allreduce_many: factor before the sum
+  double postscale = 1.0;    // ... and after it
+  int64_t dims[kMaxDims] = {};  // the tensor's shape (see kMaxDims), compared across ranks
+  int64_t arenaOffset = -1;  // byte offset of the tensor in this rank's shm arena, -1 if none
+  uint8_t kind = 0;          // OpKind
+  uint8_t dtype = 0;         // DType
+  uint8_t op = 0;            // ReduceOp (allreduce, reduce_scatter)
+  uint8_t onGpu = 0;         // 1: the NCCL path moves the data; the engine only compares
+  uint8_t ndim = 0;          // the tensor's number of dims (0: a scalar, or no tensor)
+  uint16_t pageOffset = 0;   // allreduce: the tensor's offset in its page, rounded down to 64
+                             // (per rank: where shared memory stages it, transport/shm/group.cpp)
+  int32_t root = -1;         // broadcast, reduce, gather, scatter: the root rank
+
+  // Fills ndim and dims from a tensor's sizes.
+  void setShape(const int64_t* sizes, int n);
+  // "float32[10, 100] SUM", "float32[1000] root=2", "barrier": the words of every message.
+  std::string describe() const;
+  // "allreduce #17": how messages name the operation.
+  std::string label() const;
+  // "allreduce #17 float32[10, 100] SUM", "barrier #3": label() and describe() without repeating a
+  // barrier's name.
+  std::string what() const;
+  // True when the two headers describe the same collective (per-rank fields ignored).
+  bool matches(const OpHeader& other) const;
+  // True when both have the same number of dims and equal dims from `fromDim` on.
+  bool sameShape(const OpHeader& other, int fromDim) const;
+};
+
+// 4K aliasing: a load right after a store whose address agrees with it in the low 12 bits
+// stalls as if it read the stored address. Of the page offsets origin, origin + step, ...
+// (mod 4096), returns the shift from `origin` whose offset is farthest (circular distance) from
+// every offset in taken[0, n): where to put one more stream of a copy or reduction.
+int farthestPageShift(int origin, int step, const int* taken, int n);
+
+// How many fork()s separate this process from the one the engine was loaded in (0 there,
+// 1 in a forked child, ...). An object records it when created; a different value later
+// means the caller is a forked child holding a copy (it shares the parent's sockets and
+// shared memory, and has none of its threads), found without a system call.
+uint64_t forkGeneration();
+
+// Something the user should see that is not an error of a call (a refused stray connection,
+// the NCCL watchdog's abort): handed to the sink Python installs (the "torchring" logger),
+// else printed to stderr. Callable from any thread.
+void warn(const std::string& message);
+// Installs the sink warn() calls; an empty function restores stderr.
+void setWarningSink(std::function<void(const std::string&)> sink);
+
+using Clock = std::chrono::steady_clock;
+
+// One pause of a busy-wait loop (lets the sibling hyperthread run, saves power).
+inline void cpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+inline double secondsSince(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+}  // namespace torchring

@@ -1,0 +1,606 @@
+#include "engine/communicator.h"
+
+#include <unistd.h>
+
+#include <cstring>
+#include <sstream>
+
+#include "core/reduce.h"
+
+namespace torchring {
+
+DType toDType(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat: return DType::F32;
+    case at::kDouble: return DType::F64;
+    case at::kHalf: return DType::F16;
+    case at::kBFloat16: return DType::BF16;
+    case at::kChar: return DType::I8;
+    case at::kByte: return DType::U8;
+    case at::kInt: return DType::I32;
+    case at::kLong: return DType::I64;
+    case at::kShort: return DType::I16;
+    case at::kBool: return DType::BOOL;
+    default:
+      throw std::invalid_argument(std::string("torchring does not support dtype ") +
+                                  c10::toString(type));
+  }
+}
+
+std::string tensorText(const at::Tensor& tensor) {
+  std::string text = dtypeName(toDType(tensor.scalar_type()));
+  text += "[";
+  for (int64_t d = 0; d < tensor.dim(); ++d) text += (d ? ", " : "") + std::to_string(tensor.size(d));
+  return text + "]";
+}
+
+int64_t rowsOf(int64_t rows, int size, int rank) { return rows / size + (rank < rows % size ? 1 : 0); }
+
+int64_t firstRowOf(int64_t rows, int size, int rank) {
+  return rank * (rows / size) + std::min<int64_t>(rank, rows % size);
+}
+
+Communicator::Communicator(CommOptions options)
+    : opt_(std::move(options)), forkGeneration_(forkGeneration()) {
+  if (opt_.size < 1 || opt_.rank < 0 || opt_.rank >= opt_.size) {
+    throw std::invalid_argument("CommOptions: rank " + std::to_string(opt_.rank) +
+                                " must be in [0, size) with size >= 1, got size " + std::to_string(opt_.size));
+  }
+  rankHost_.assign(opt_.size, -1);
+  rankLocal_.assign(opt_.size, -1);
+  for (size_t h = 0; h < opt_.hosts.size(); ++h) {
+    for (size_t i = 0; i < opt_.hosts[h].size(); ++i) {
+      int r = opt_.hosts[h][i];
+      if (r < 0 || r >= opt_.size || rankHost_[r] != -1) {
+        throw std::invalid_argument(rankText() + ": CommOptions.hosts lists rank " + std::to_string(r) +
+                                    " twice or outside [0, " + std::to_string(opt_.size) + ")");
+      }
+      rankHost_[r] = static_cast<int>(h);
+      rankLocal_[r] = static_cast<int>(i);
+    }
+  }
+  for (int r = 0; r < opt_.size; ++r) {
+    if (rankHost_[r] < 0) {
+      throw std::invalid_argument(rankText() + ": CommOptions.hosts misses rank " + std::to_string(r));
+    }
+  }
+  hostIndex_ = rankHost_[opt_.rank];
+  localIndex_ = rankLocal_[opt_.rank];
+  if (localSize() > 1) {
+    ShmOptions so;
+    so.worldSize = opt_.size;
+    so.localRanks = opt_.hosts[hostIndex_];
+    so.localIndex = localIndex_;
+    so.segmentBytes = opt_.segmentBytes;
+    so.oneShotBytes = opt_.oneShotBytes;
+    so.stagingStores = static_cast<StorePolicy>(opt_.stagingStores);
+    so.arenaBytes = opt_.arenaBytes;
+    so.timeoutSec = opt_.timeoutSec;
+    so.spinIters = opt_.spinIters;
+    so.spinAuto = opt_.spinAuto;
+    shm_ = std::make_unique<ShmGroup>(so);
+  }
+  if (numHosts() > 1 && isLeader()) {
+    TcpOptions to;
+    const int n = numHosts();
+    to.rank = opt_.rank;
+    to.ringIndex = hostIndex_;
+    to.ringSize = n;
+    to.leftRank = opt_.hosts[(hostIndex_ + n - 1) % n][0];
+    to.rightRank = opt_.hosts[(hostIndex_ + 1) % n][0];
+    to.secret = opt_.secret;
+    to.timeoutSec = opt_.timeoutSec;
+    tcp_ = std::make_unique<TcpRing>(to);
+  }
+  if (opt_.size > 1) {
+    P2POptions po;
+    po.rank = opt_.rank;
+    po.size = opt_.size;
+    po.rankHost = rankHost_;
+    po.rankLocal = rankLocal_;
+    po.timeoutSec = opt_.timeoutSec;
+    po.secret = opt_.secret;
+    po.spinIters = opt_.spinIters;
+    po.label = opt_.label;
+    p2p_ = std::make_unique<P2P>(po, shm_.get());
+  }
+}
+
+Communicator::~Communicator() { shutdown(); }
+
+std::string Communicator::createShm(const std::string& nameTag) {
+  return shm_ ? shm_->create(nameTag) : std::string();
+}
+
+int Communicator::listen(const std::string& bindAddr) { return tcp_ ? tcp_->listen(bindAddr) : -1; }
+
+void Communicator::attachShm(const std::vector<std::string>& names) {
+  if (shm_) shm_->attach(names);
+}
+
+void Communicator::unlinkShm() {
+  if (shm_) shm_->unlinkOwn();
+}
+
+void Communicator::connectRing(const std::string& rightAddr, int rightPort) {
+  if (tcp_) tcp_->connect(rightAddr, rightPort);
+}
+
+
+int Communicator::listenP2P(const std::string& bindAddr) { return p2p_ ? p2p_->listen(bindAddr) : -1; }
+
+void Communicator::setP2PPeers(std::vector<std::string> addrs, std::vector<int> ports) {
+  if (p2p_) p2p_->setPeers(std::move(addrs), std::move(ports));
+}
+
+void Communicator::start() {
+  if (tcp_ && shm_) tcp_->setOnProgress([this] { shm_->heartbeat(); });
+  if (p2p_) p2p_->setOnFailure([this](const std::string& message) { onP2PFailure(message); });
+  worker_ = std::thread([this] { workerLoop(); });
+}
+
+void Communicator::setFailureBoard(FailureBoard board) {
+  board_ = std::move(board);
+  if (tcp_) {
+    tcp_->setExplain([this](int peer, const std::string& message) { return explainPeer(peer, message); });
+  }
+}
+
+namespace {
+
+// Runs `fn` on a detached thread and returns its result, or `fallback` when it has not
+// finished within `seconds`. For the rendezvous store on failure paths: a store whose host
+// is unreachable can block a request for good, and a failing rank must still raise within
+// the timeout. `fn` must own everything it uses (the thread may outlive the caller).
+std::string withDeadline(std::function<std::string()> fn, double seconds, std::string fallback) {
+  struct Shared {
+    std::mutex mutex;
+    std::condition_variable cv;
+    bool done = false;
+    std::string result;
+  };
+  auto shared = std::make_shared<Shared>();
+  std::thread([shared, fn = std::move(fn)] {
+    std::string result;
+    try {
+      result = fn();
+    } catch (const std::exception&) {  // the store is gone too: no explanation
+    }
+    std::lock_guard<std::mutex> lock(shared->mutex);
+    shared->result = std::move(result);
+    shared->done = true;
+    shared->cv.notify_all();
+  }).detach();
+  std::unique_lock<std::mutex> lock(shared->mutex);
+  if (!shared->cv.wait_for(lock, std::chrono::duration<double>(seconds), [&] { return shared->done; })) {
+    return fallback;
+  }
+  return shared->result;
+}
+
+}  // namespace
+
+// Posts this rank's message first (so a neighbour waiting on us learns it at once), then
+// gives `peer` a moment to post its own. A dead peer posts nothing: then it is the culprit.
+// Every store request runs under withDeadline: an unreachable store never holds this up.
+std::string Communicator::explainPeer(int peer, const std::string& message) {
+  if (!board_.read) return "";
+  const double patience = std::min(2.0, opt_.timeoutSec);
+  auto board = board_;  // copies: the thread below may outlive this communicator
+  const int rank = opt_.rank;
+  return withDeadline(
+      [board, rank, peer, message, patience] {
+        board.post(rank, message);
+        auto start = Clock::now();
+        do {
+          std::string theirs = board.read(peer);
+          if (!theirs.empty()) return " -- because rank " + std::to_string(peer) + " failed first: " + theirs;
+          std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        } while (secondsSince(start) < patience);
+        return " -- rank " + std::to_string(peer) + " reported no error: it died or is unreachable";
+      },
+      patience + 1.0,
+      " -- " + board.where + " did not answer within " + std::to_string(static_cast<int>(patience + 1.0)) +
+          " s either: that host is likely unreachable or down, so rank " + std::to_string(peer) +
+          "'s own error is unknown");
+}
+
+void Communicator::shutdown() {
+  if (forkGeneration() != forkGeneration_) {
+    // A forked child's copy: it has no worker thread and shares the parent's sockets and
+    // shared memory, so closing or aborting anything would break the parent's job, and
+    // destroying its mutex and condition variable (a parent thread may have waited on them
+    // at fork time) can block forever. Keep the object for the rest of the child's life.
+    static auto* forked = new std::vector<std::shared_ptr<Communicator>>();
+    try {
+      forked->push_back(shared_from_this());
+    } catch (const std::bad_weak_ptr&) {  // already being destroyed: touch the least we can
+      new (&worker_) std::thread();
+      (void)tcp_.release();
+      (void)shm_.release();
+      (void)p2p_.release();
+    }
+    return;
+  }
+  std::deque<Op> dropped;
+  bool inFlight = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stopping_) return;
+    stopping_ = true;
+    dropped.swap(queue_);
+    inFlight = busy_;
+  }
+  cv_.notify_all();
+  if (inFlight) {
+    // An operation is running (on the worker or inline on another thread): make it fail
+    // now instead of after the timeout, and wait for it before tearing the transports down.
+    if (shm_) shm_->abort("rank " + std::to_string(opt_.rank) + " called torchring.shutdown() during a collective");
+    if (tcp_) tcp_->interrupt();
+    if (p2p_) p2p_->shutdown();  // its pending transfers fail: a collective waiting on them returns
+    std::unique_lock<std::mutex> lock(mutex_);
+    cv_.wait(lock, [&] { return !busy_; });
+  }
+  if (p2p_) p2p_->shutdown();
+  for (auto& op : dropped) {
+    op.work->finish({}, std::make_exception_ptr(TorchringError(
+                            rankText() + ": " + op.header.label() +
+                            " was not run: torchring.shutdown() was called while it was queued")));
+  }
+  if (worker_.joinable()) worker_.join();
+  if (tcp_) tcp_->close();
+  if (shm_) shm_->unlinkOwn();
+}
+
+OpHeader Communicator::makeHeader(OpKind kind, const at::Tensor& tensor, ReduceOp op, int root,
+                                  const OpArgs* args) const {
+  OpHeader header;
+  header.kind = static_cast<uint8_t>(kind);
+  header.op = static_cast<uint8_t>(op);
+  header.root = root;
+  if (args != nullptr) {
+    header.prescale = args->prescale;
+    header.postscale = args->postscale;
+  }
+  if (kind == OpKind::ALLREDUCE_MANY && args != nullptr) {
+    uint64_t hash = 1469598103934665603ull;  // FNV-1a over every tensor's rank and dims
+    for (const auto& t : args->tensors) {
+      header.count += static_cast<uint64_t>(t.numel());
+      hash = (hash ^ static_cast<uint64_t>(t.dim())) * 1099511628211ull;
+      for (int64_t d : t.sizes()) hash = (hash ^ static_cast<uint64_t>(d)) * 1099511628211ull;
+    }
+    header.rows = args->tensors.size();
+    header.shapesHash = hash;
+    header.dtype = static_cast<uint8_t>(toDType(args->tensors[0].scalar_type()));
+    const int64_t total = static_cast<int64_t>(header.count);
+    header.setShape(&total, 1);
+    return header;
+  }
+  if (!tensor.defined()) return header;
+  header.dtype = static_cast<uint8_t>(toDType(tensor.scalar_type()));
+  header.count = static_cast<uint64_t>(tensor.numel());
+  header.setShape(tensor.sizes().data(), static_cast<int>(tensor.dim()));
+  if (kind == OpKind::ALLGATHER || kind == OpKind::ALLTOALL) {
+    header.rows = tensor.dim() > 0 ? static_cast<uint64_t>(tensor.size(0)) : 1;
+    header.rowElems = 1;
+    for (int d = 1; d < tensor.dim(); ++d) header.rowElems *= static_cast<uint64_t>(tensor.size(d));
+  }
+  if (shm_ && kind == OpKind::ALLREDUCE && tensor.device().is_cpu()) {
+    header.pageOffset = static_cast<uint16_t>(reinterpret_cast<uintptr_t>(tensor.data_ptr()) % 4096 & ~uintptr_t{63});
+    header.arenaOffset = shm_->arenaOffsetOf(tensor.data_ptr(), tensor.nbytes());
+  }
+  return header;
+}
+
+std::shared_ptr<CpuWork> Communicator::submit(OpKind kind, at::Tensor tensor, ReduceOp op, int root,
+                                           bool runInline, OpArgs args) {
+  checkArgs(kind, tensor, op, root, args);
+  Op item;
+  item.header = makeHeader(kind, tensor, op, root, &args);
+  item.tensor = std::move(tensor);
+  item.args = std::move(args);
+  return enqueue(std::move(item), runInline);
+}
+
+// The Python checks of allreduce (collectives.py _check_tensor, _check_op), in C++.
+static bool plainAllreduceArgs(const at::Tensor& t, int op) {
+  if (!t.defined() || t.layout() != at::kStrided || !t.device().is_cpu() || !t.is_contiguous()) return false;
+  if (op < 0 || op >= kNumReduceOps) return false;
+  const auto rop = static_cast<ReduceOp>(op);
+  switch (t.scalar_type()) {
+    case at::kFloat: case at::kDouble: case at::kHalf: case at::kBFloat16:
+      return true;
+    case at::kChar: case at::kByte: case at::kInt: case at::kLong: case at::kShort:
+      return rop != ReduceOp::AVG;
+    case at::kBool:
+      return rop == ReduceOp::MIN || rop == ReduceOp::MAX;
+    default:
+      return false;
+  }
+}
+
+bool Communicator::allreduceNow(const at::Tensor& tensor, int op) {
+  if (!plainAllreduceArgs(tensor, op) || forkGeneration() != forkGeneration_) return false;
+  submit(OpKind::ALLREDUCE, tensor, static_cast<ReduceOp>(op), -1, true)->wait(0);
+  return true;
+}
+
+std::shared_ptr<CpuWork> Communicator::send(at::Tensor tensor, int peer, int64_t tag) {
+  checkPeer(tensor, peer, tag, "send");
+  const auto* data = static_cast<const char*>(tensor.data_ptr());
+  return p2p_->send(peer, tag, data, tensor.nbytes(), tensorText(tensor), tensor);
+}
+
+std::shared_ptr<CpuWork> Communicator::recv(at::Tensor tensor, int peer, int64_t tag) {
+  checkPeer(tensor, peer, tag, "recv");
+  auto* data = static_cast<char*>(tensor.data_ptr());
+  return p2p_->recv(peer, tag, data, tensor.nbytes(), tensorText(tensor), tensor);
+}
+
+void Communicator::checkPeer(const at::Tensor& tensor, int peer, int64_t tag, const char* what) const {
+  TORCH_CHECK_VALUE(tensor.defined() && tensor.device().is_cpu() && tensor.is_contiguous(), rankText(), ": ",
+                    what, " needs a contiguous CPU tensor");
+  (void)toDType(tensor.scalar_type());
+  TORCH_CHECK_VALUE(peer >= 0 && peer < opt_.size && peer != opt_.rank, rankText(), ": ", what, " of ",
+                    tensorText(tensor), ": the peer must be another rank in [0, ", opt_.size, "), got ", peer);
+  TORCH_CHECK_VALUE(tag >= 0, rankText(), ": ", what, " of ", tensorText(tensor), ": tag must be >= 0, got ", tag);
+  if (forkGeneration() != forkGeneration_) {
+    throw TorchringError(rankText() + ": " + what + " called in a forked child process (pid " +
+                         std::to_string(getpid()) + "): run it in the process that called torchring.init()");
+  }
+}
+
+void Communicator::onP2PFailure(const std::string& message) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (failure_.empty()) failure_ = message + "; " + kRecoveryHint;
+  }
+  if (shm_) shm_->abort(message);
+  if (tcp_) tcp_->interrupt();
+  postFailure(message);
+}
+
+// Tells the others why through the failure board, without waiting long on the store.
+void Communicator::postFailure(const std::string& message) {
+  if (!board_.post) return;
+  auto post = board_.post;
+  const int rank = opt_.rank;
+  withDeadline([post, rank, message] { post(rank, message); return std::string(); }, 1.0, "");
+}
+
+std::shared_ptr<CpuWork> Communicator::submitCheck(OpKind kind, const at::Tensor& like, ReduceOp op,
+                                                int root) {
+  Op item;
+  item.header = makeHeader(kind, like, op, root);
+  item.header.onGpu = 1;  // no tensor is kept: run() compares headers and moves nothing
+  return enqueue(std::move(item), false);
+}
+
+std::shared_ptr<CpuWork> Communicator::enqueue(Op item, bool runInline) {
+  const auto kind = static_cast<OpKind>(item.header.kind);
+  if (forkGeneration() != forkGeneration_) {
+    throw TorchringError("rank " + std::to_string(opt_.rank) + ": " + kindName(kind) +
+                         " called in a forked child process (pid " + std::to_string(getpid()) +
+                         ") of that rank: collectives run only in the process that called "
+                         "torchring.init(); run them in the main process, not in DataLoader "
+                         "workers or other forks");
+  }
+  std::unique_lock<std::mutex> lock(mutex_);
+  item.header.seq = nextSeq_++;
+  item.work = std::make_shared<CpuWork>(kind, item.header.seq, opt_.rank);
+  item.work->setContext(opt_.label);
+  auto work = item.work;
+  if (stopping_) {
+    lock.unlock();
+    work->finish({}, std::make_exception_ptr(TorchringError(
+                         rankText() + ": " + kindName(kind) +
+                         ": torchring was shut down; call torchring.init() first")));
+    return work;
+  }
+  if (runInline && queue_.empty() && !busy_) {
+    runExclusive(item, lock, false);
+    return work;
+  }
+  queue_.push_back(std::move(item));
+  lock.unlock();
+  cv_.notify_all();
+  return work;
+}
+
+void Communicator::workerLoop() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  for (;;) {
+    cv_.wait(lock, [&] { return stopping_ || (!queue_.empty() && !busy_); });
+    if (stopping_) return;
+    Op op = std::move(queue_.front());
+    queue_.pop_front();
+    runExclusive(op, lock, true);
+  }
+}
+
+void Communicator::runExclusive(Op& op, std::unique_lock<std::mutex>& lock, bool onWorker) {
+  busy_ = true;
+  lock.unlock();
+  if (shm_) shm_->setOnProgressThread(onWorker);
+  execute(op);
+  lock.lock();
+  busy_ = false;
+  // shutdown() may wait for busy_ to clear, the worker for a free slot when work is queued.
+  // Only then: waking the idle worker after every inline call would cost each call a
+  // context switch on the caller's core.
+  if (stopping_ || !queue_.empty()) cv_.notify_all();
+}
+
+std::string Communicator::failedMessage(const OpHeader& header) const {
+  return rankText() + ": " + header.label() + " was not run because the communicator failed earlier: " +
+         failure_;
+}
+
+// Runs one operation and completes its handle. A mismatch (thrown by checkHeaders, after the
+// header exchange and before any data moved) fails only this operation: every rank saw the
+// same table of headers, so every rank fails it the same way and the next operation starts
+// from the same state everywhere. Any other failure fails the communicator: the peers are
+// told (shared-memory abort, ring sockets closed, failure board), and every later operation
+// reports the first failure.
+void Communicator::execute(Op& op) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!failure_.empty()) {
+      op.work->finish({}, std::make_exception_ptr(CommFailedError(failedMessage(op.header))));
+      return;
+    }
+  }
+  std::exception_ptr error;
+  std::string failure;
+  at::Tensor result;
+  try {
+    result = run(op);
+  } catch (const MismatchError&) {
+    if (shm_) shm_->markDone(op.header.seq);
+    error = std::current_exception();
+  } catch (const std::exception& e) {
+    failure = e.what();
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!failure_.empty()) {  // failed elsewhere first (point-to-point): say that, not the echo
+      const std::string hint = std::string("; ") + kRecoveryHint;
+      std::string first = failure_;
+      if (first.size() >= hint.size() && first.compare(first.size() - hint.size(), hint.size(), hint) == 0) {
+        first.resize(first.size() - hint.size());
+      }
+      failure = rankText() + ": " + op.header.label() + " failed because the communicator failed: " + first;
+    }
+  }
+  if (!failure.empty()) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (failure_.empty()) failure_ = failure + "; " + kRecoveryHint;
+    }
+    if (shm_) shm_->abort(failure);
+    if (tcp_) tcp_->close();
+    if (p2p_) p2p_->fail(failure);
+    postFailure(failure);
+    error = std::make_exception_ptr(CommFailedError(failure + "; " + kRecoveryHint));
+  }
+  op.tensor = at::Tensor();
+  op.args = OpArgs();
+  op.work->finish(std::move(result), error);
+}
+
+at::Tensor Communicator::run(Op& op) {
+  const OpHeader& header = op.header;
+  if (shm_) shm_->setCurrent(header);
+  if (tcp_) {
+    tcp_->setOp(header);
+  }
+  std::vector<OpHeader> headers = exchangeHeaders(header, op.tensor);
+  checkHeaders(headers);
+  if (header.onGpu) {  // NCCL moves this operation's data
+    if (shm_) shm_->markDone(header.seq);
+    return {};
+  }
+  at::Tensor result = op.tensor;
+  char* data = op.tensor.defined() ? static_cast<char*>(op.tensor.data_ptr()) : nullptr;
+  switch (static_cast<OpKind>(header.kind)) {
+    case OpKind::REDUCE_SCATTER:
+      result = reduceScatter(op.tensor, header, headers, op.args.out);
+      if (op.args.out.defined() && !result.is_same(op.args.out)) result = op.args.out.copy_(result);
+      break;
+    case OpKind::ALLREDUCE:
+      if (header.prescale != 1.0) scaleInPlace(data, header.count, static_cast<DType>(header.dtype), header.prescale);
+      allreduce(data, header, headers);
+      break;
+    case OpKind::REDUCE:
+      result = reduce(op, headers);
+      break;
+    case OpKind::GATHER:
+      result = gather(op);
+      break;
+    case OpKind::SCATTER:
+      result = scatter(op);
+      break;
+    case OpKind::ALLTOALL:
+      result = alltoall(op);
+      break;
+    case OpKind::ALLREDUCE_MANY:
+      allreduceMany(op, headers);
+      result = at::Tensor();
+      break;
+    case OpKind::SEND:
+    case OpKind::RECV:
+      TORCH_INTERNAL_ASSERT(false, "point-to-point operations are not queued");
+    case OpKind::BROADCAST:
+      broadcast(data, op.tensor.nbytes(), header.root);
+      break;
+    case OpKind::ALLGATHER:
+      result = allgather(op.tensor, headers, op.args.out);
+      break;
+    case OpKind::BARRIER:
+      break;
+  }
+  if (shm_) shm_->markDone(header.seq);
+  return result;
+}
+
+// Every rank learns every rank's header: within a host through shared memory, between
+// hosts by a ring allgather among the leaders, who then publish the full table locally. On
+// one host a small allreduce stages `tensor`'s data with its header (one synchronization
+// for both, ShmGroup::fitsOneSync).
+std::vector<OpHeader> Communicator::exchangeHeaders(const OpHeader& header, const at::Tensor& tensor) {
+  std::vector<OpHeader> all(opt_.size);
+  all[opt_.rank] = header;
+  if (shm_ && numHosts() == 1 && tensor.defined() && shm_->fitsOneSync(header)) {
+    shm_->exchangeHeadersWithData(header, static_cast<const char*>(tensor.data_ptr()), all);
+    return all;
+  }
+  if (shm_) shm_->exchangeHeaders(header, all);
+  if (numHosts() == 1) return all;
+  if (isLeader()) {
+    std::vector<std::vector<Span>> blocks(numHosts());
+    for (int h = 0; h < numHosts(); ++h) {
+      for (int r : opt_.hosts[h]) blocks[h].push_back({reinterpret_cast<char*>(&all[r]), sizeof(OpHeader)});
+    }
+    tcp_->allgather(blocks);
+    if (shm_) shm_->publishAllHeaders(all);
+  } else {
+    shm_->receiveAllHeaders(header.seq, all);
+  }
+  return all;
+}
+
+// "allreduce float32[10, 100] SUM", "barrier": what a rank sent, in a mismatch message.
+static std::string sentText(const OpHeader& header) {
+  const auto kind = static_cast<OpKind>(header.kind);
+  return kind == OpKind::BARRIER ? kindName(kind) : std::string(kindName(kind)) + " " + header.describe();
+}
+
+// Compares every rank's header with rank 0's. Every rank holds the same table, so every
+// rank throws the same MismatchError, naming the first rank that differs and what each sent.
+void Communicator::checkHeaders(const std::vector<OpHeader>& headers) const {
+  const OpHeader& first = headers[0];
+  for (int r = 1; r < opt_.size; ++r) {
+    const OpHeader& other = headers[r];
+    if (other.matches(first)) continue;
+    std::ostringstream msg;
+    msg << rankText() << ": collective #" << first.seq << " does not match across ranks: rank 0 sent "
+        << sentText(first) << ", rank " << r << " sent " << sentText(other)
+        << "; every rank must issue the same collectives in the same order with the same dtype, "
+           "shape, op and root (allgather: dim 0 may differ). Nothing was sent: this operation "
+           "failed on every rank and the next collective runs normally";
+    throw MismatchError(msg.str());
+  }
+}
+
+at::Tensor Communicator::emptyShared(at::IntArrayRef sizes, at::ScalarType dtype) {
+  if (!shm_ || !shm_->arena()) return at::Tensor();
+  auto options = at::TensorOptions().dtype(dtype);
+  int64_t numel = 1;
+  for (auto s : sizes) numel *= s;
+  size_t bytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
+  auto arena = shm_->arena();
+  int64_t offset = arena->alloc(bytes);
+  if (offset < 0) return at::Tensor();
+  return at::from_blob(arena->base() + offset, sizes, [arena, offset](void*) { arena->free(offset); },
+                       options);
+}
+
+}  // namespace torchring

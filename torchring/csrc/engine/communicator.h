@@ -1,0 +1,198 @@
+// The per-process communicator: topology, an ordered queue of collectives, the progress
+// thread that runs them, and how the transports combine. communicator.cpp holds the queue,
+// the header checks and failure handling; hierarchy.cpp the algorithms that compose the
+// shared-memory group and the TCP ring (within a host, then between hosts).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/common.h"
+#include "transport/p2p/p2p.h"
+#include "transport/shm/group.h"
+#include "transport/tcp/tcp.h"
+#include "core/work.h"
+
+namespace torchring {
+
+// Everything a communicator is made from; Python fills it (bindings.cpp binds each field)
+// from the rendezvous and torchring's settings.
+struct CommOptions {
+  // This process's rank in [0, size), and the number of ranks.
+  int rank = 0;
+  int size = 1;
+  // Ranks of each host, hosts ordered by their smallest rank, ranks ascending. The first
+  // rank of a host is its leader: the only one that talks TCP to other hosts.
+  std::vector<std::vector<int>> hosts;
+  // Seconds a rendezvous step or a collective may make no progress before it fails.
+  double timeoutSec = 300;
+  // Shared-memory staging segment per rank (two of them: double buffering); a message
+  // larger than this moves in several segments. Tests set it small to reach those paths.
+  size_t segmentBytes = kDefaultSegmentBytes;
+  // Virtual size of this rank's shared-memory arena (torchring.empty); 0 for none.
+  size_t arenaBytes = 0;
+  // Busy-wait iterations before a waiting rank sleeps on a futex.
+  int spinIters = 20000;
+  // True when spinIters is the default rather than the user's (TORCHRING_SPIN): shared memory
+  // then picks its own from the local ranks' CPU sets (ShmOptions::spinAuto).
+  bool spinAuto = false;
+  // Internal, for tests: the largest staged shared-memory allreduce that runs one-shot
+  // (every rank reduces all of it). Tests set it to 0 to reach the chunked path with small
+  // tensors, as segmentBytes (at least a page) reaches the multi-segment paths.
+  size_t oneShotBytes = ShmOptions::kDefaultOneShotBytes;
+  // Stores for the shared-memory staging writes: 0 measured while running, 1 cached,
+  // 2 streaming (StorePolicy, stores.h; TORCHRING_SHM_STORES).
+  int stagingStores = 0;
+  // Random per-job token every TCP handshake must present.
+  std::string secret;
+  // For a group's communicator: put in front of its operations' failure messages, e.g.
+  // "group 2 of world ranks [0, 2] (the ranks in this message are group ranks): ".
+  std::string label;
+
+  static constexpr size_t kDefaultSegmentBytes = 1 << 20;
+};
+
+// Optional side channel through the rendezvous store: a failing rank posts its message, and
+// a rank whose ring neighbour hung up reads why, so every survivor can name the first failure.
+struct FailureBoard {
+  std::function<void(int rank, const std::string& message)> post;
+  std::function<std::string(int rank)> read;  // "" when the rank posted nothing
+  // Where the store lives, for the message when it does not answer: "the rendezvous store on
+  // trh0 (198.18.0.1, where rank 0 runs)"; its host is then the one that is cut off.
+  std::string where = "the rendezvous store";
+};
+
+// What some collectives take besides the tensor (communicator.cpp's submit() checks them).
+struct OpArgs {
+  at::Tensor out;                  // reduce_scatter, alltoall, allgather: write the result here
+  std::vector<at::Tensor> tensors;  // allreduce_many: the tensors; scatter: [the root's chunks]
+  double prescale = 1.0, postscale = 1.0;  // allreduce, reduce_scatter, allreduce_many
+  at::Tensor sendSplits;           // alltoall: int64[size], rows for each rank
+  at::Tensor recvSplits;           // alltoall: int64[size], rows from each rank (filled or checked)
+  bool recvSplitsKnown = false;    // alltoall: recvSplits holds what this rank expects
+};
+
+class Communicator : public std::enable_shared_from_this<Communicator> {
+ public:
+  explicit Communicator(CommOptions options);
+  ~Communicator();
+
+  // Bootstrap, in this order (Python exchanges the results through the store between steps).
+  std::string createShm(const std::string& nameTag);      // when localSize() > 1
+  int listen(const std::string& bindAddr);                  // when leader and numHosts() > 1
+  void attachShm(const std::vector<std::string>& names);
+  void unlinkShm();
+  void connectRing(const std::string& rightAddr, int rightPort);
+  void start();
+  void setFailureBoard(FailureBoard board);
+  // Fails queued operations, stops the progress thread and closes every transport.
+  void shutdown();
+
+  // Queues a collective on `tensor` and returns its handle. Operations run in submission
+  // order, which must be the same on every rank. With runInline, an idle communicator runs
+  // it on the calling thread (no hand-off latency) and the handle is complete on return.
+  std::shared_ptr<CpuWork> submit(OpKind kind, at::Tensor tensor, ReduceOp op, int root,
+                               bool runInline, OpArgs args = {});
+  // torchring.allreduce's fast path: when `tensor` and `op` are what the Python API's checks
+  // would pass unchanged (a contiguous CPU tensor of a supported dtype, an op valid for it)
+  // and this is the process that made the communicator, runs the allreduce as submit(...,
+  // runInline = true) and waits for it, then returns true; else returns false and does
+  // nothing, and the caller takes the checked path, which words the error.
+  bool allreduceNow(const at::Tensor& tensor, int op);
+  // Point-to-point (p2p.h): not part of the ordered queue; ranks and tags as the caller gives.
+  std::shared_ptr<CpuWork> send(at::Tensor tensor, int peer, int64_t tag);
+  std::shared_ptr<CpuWork> recv(at::Tensor tensor, int peer, int64_t tag);
+  // Bootstrap of point-to-point between hosts (every rank, when numHosts() > 1).
+  int listenP2P(const std::string& bindAddr);
+  void setP2PPeers(std::vector<std::string> addrs, std::vector<int> ports);
+  // For a collective that NCCL runs on the CUDA tensor `like`: queues an operation that only
+  // exchanges and compares its header (kind, dtype, count, op, root, shape) with the other
+  // ranks, in order with every other operation. Its handle fails, on every rank, when ranks
+  // disagree or a peer died; the NCCL watchdog then aborts NCCL with that message.
+  std::shared_ptr<CpuWork> submitCheck(OpKind kind, const at::Tensor& like, ReduceOp op, int root);
+  // A tensor in this rank's shared-memory arena, or an undefined tensor if none is left.
+  at::Tensor emptyShared(at::IntArrayRef sizes, at::ScalarType dtype);
+
+  int localIndex() const { return localIndex_; }
+  int localSize() const { return static_cast<int>(opt_.hosts[hostIndex_].size()); }
+  int hostIndex() const { return hostIndex_; }
+  int numHosts() const { return static_cast<int>(opt_.hosts.size()); }
+  bool isLeader() const { return localIndex_ == 0; }
+  bool hasShm() const { return shm_ != nullptr; }
+
+ private:
+  struct Op {
+    OpHeader header;
+    at::Tensor tensor;
+    OpArgs args;
+    std::shared_ptr<CpuWork> work;
+  };
+  void checkArgs(OpKind kind, const at::Tensor& tensor, ReduceOp op, int root, const OpArgs& args) const;
+  void checkPeer(const at::Tensor& tensor, int peer, int64_t tag, const char* what) const;
+  void onP2PFailure(const std::string& message);
+  void postFailure(const std::string& message);
+  OpHeader makeHeader(OpKind kind, const at::Tensor& tensor, ReduceOp op, int root,
+                      const OpArgs* args = nullptr) const;
+  std::shared_ptr<CpuWork> enqueue(Op item, bool runInline);
+  void workerLoop();
+  // Runs `op` with busy_ set (the one operation in flight); `lock` holds mutex_ on entry and
+  // on return, and is released while the operation runs. onWorker: on the progress thread.
+  void runExclusive(Op& op, std::unique_lock<std::mutex>& lock, bool onWorker);
+  void execute(Op& op);
+  at::Tensor run(Op& op);
+  std::vector<OpHeader> exchangeHeaders(const OpHeader& header, const at::Tensor& tensor = at::Tensor());
+  void checkHeaders(const std::vector<OpHeader>& headers) const;
+  void allreduce(char* data, const OpHeader& header, const std::vector<OpHeader>& headers);
+  void broadcast(char* data, size_t bytes, int root);
+  // `out`, when defined and of the result's size, receives the result (else a new tensor does).
+  at::Tensor allgather(const at::Tensor& input, const std::vector<OpHeader>& headers,
+                       const at::Tensor& out = at::Tensor());
+  at::Tensor reduceScatter(const at::Tensor& input, const OpHeader& header,
+                           const std::vector<OpHeader>& headers, const at::Tensor& out = at::Tensor());
+  // rooted.cpp: the collectives added on top of the above and of point-to-point transfers.
+  at::Tensor reduce(Op& op, const std::vector<OpHeader>& headers);
+  at::Tensor gather(Op& op);
+  at::Tensor scatter(Op& op);
+  at::Tensor alltoall(Op& op);
+  void allreduceMany(Op& op, const std::vector<OpHeader>& headers);
+  // Waits for point-to-point transfers a collective posted (rethrows the first failure).
+  static void waitAll(const std::vector<std::shared_ptr<CpuWork>>& works);
+  std::string failedMessage(const OpHeader& header) const;
+  std::string rankText() const { return "rank " + std::to_string(opt_.rank); }
+  std::string explainPeer(int peer, const std::string& message);
+
+  CommOptions opt_;
+  uint64_t forkGeneration_;  // at creation; a forked child's copy never runs or closes
+  int hostIndex_ = 0, localIndex_ = 0;
+  std::vector<int> rankHost_, rankLocal_;
+  std::unique_ptr<ShmGroup> shm_;
+  std::unique_ptr<TcpRing> tcp_;
+  std::unique_ptr<P2P> p2p_;
+  FailureBoard board_;
+
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<Op> queue_;
+  bool busy_ = false, stopping_ = false;
+  uint64_t nextSeq_ = 0;
+  std::string failure_;  // first failure; every later operation reports it
+  std::thread worker_;
+};
+
+DType toDType(at::ScalarType type);
+// "float32[10, 4]": a tensor as messages name it (Python's torchring._types.describe).
+std::string tensorText(const at::Tensor& tensor);
+// Rows of an uneven reduce_scatter: rank r gets rows/size rows, one more when r < rows % size.
+int64_t rowsOf(int64_t rows, int size, int rank);
+int64_t firstRowOf(int64_t rows, int size, int rank);
+
+}  // namespace torchring

@@ -1,0 +1,122 @@
+// How a collective composes the transports: the shared-memory group within a host and the
+// TCP ring among the hosts' leaders (the first rank of each host). One host: shared memory
+// alone. Several hosts: reduce or gather within the host, run the ring among the leaders,
+// then each leader hands the result to its host. A host of one rank has no shared memory,
+// and the TCP-only transport is "every rank its own host".
+#include <cstring>
+
+#include "engine/communicator.h"
+#include "core/reduce.h"
+
+namespace torchring {
+
+void Communicator::allreduce(char* data, const OpHeader& header,
+                             const std::vector<OpHeader>& headers) {
+  const auto dtype = static_cast<DType>(header.dtype);
+  auto op = static_cast<ReduceOp>(header.op);
+  // AVG's 1/size and the caller's postscale are applied once, to the full-precision sum.
+  const double scale = (op == ReduceOp::AVG ? 1.0 / opt_.size : 1.0) * header.postscale;
+  if (op == ReduceOp::AVG) op = ReduceOp::SUM;
+  const size_t count = header.count;
+  if (numHosts() == 1) {
+    if (shm_) shm_->allreduce(data, count, dtype, op, scale, headers);
+    else if (scale != 1.0) scaleInPlace(data, count, dtype, scale);
+    return;
+  }
+  // Several hosts: reduce within the host, ring among the leaders (which applies `scale`
+  // once), then each leader hands the result to its host.
+  if (isHalfFloat(dtype) && shm_) {
+    std::vector<float> hostSum(isLeader() ? count : 0);
+    shm_->reduceToLeader(data, count, dtype, op, hostSum.data());
+    if (tcp_) tcp_->allreduce(data, count, dtype, op, scale, hostSum.data());
+  } else {
+    if (shm_) shm_->allreduce(data, count, dtype, op, 1.0, headers);
+    if (tcp_) tcp_->allreduce(data, count, dtype, op, scale);
+  }
+  if (shm_) shm_->broadcast(data, count * elementSize(dtype), 0);
+}
+
+// This rank's rows of the reduction as a new tensor, `input` left alone: rank r gets
+// rowsOf(D, size, r) rows starting at firstRowOf(D, size, r) of dim 0 (D), so when D is not
+// a multiple of the size the first D % size ranks get one row more. One host and D a
+// multiple: the shared-memory reduce-scatter, which moves a block per rank instead of the
+// whole tensor. Otherwise an allreduce of a copy, keeping this rank's rows. The prescale
+// multiplies a copy of the input; AVG's 1/size and the postscale go to the sum.
+at::Tensor Communicator::reduceScatter(const at::Tensor& input, const OpHeader& header,
+                                       const std::vector<OpHeader>& headers, const at::Tensor& given) {
+  const int64_t total = input.size(0);
+  const int64_t rows = rowsOf(total, opt_.size, opt_.rank);
+  const auto dtype = static_cast<DType>(header.dtype);
+  std::vector<int64_t> sizes = input.sizes().vec();
+  sizes[0] = rows;
+  if (numHosts() == 1 && shm_ && total % opt_.size == 0) {
+    at::Tensor out = given.defined() ? given : at::empty(sizes, input.options());  // checkArgs checked it
+    at::Tensor src = input;
+    if (header.prescale != 1.0) {
+      src = input.clone();
+      scaleInPlace(src.data_ptr(), header.count, dtype, header.prescale);
+    }
+    auto op = static_cast<ReduceOp>(header.op);
+    const double scale = (op == ReduceOp::AVG ? 1.0 / opt_.size : 1.0) * header.postscale;
+    shm_->reduceScatter(static_cast<const char*>(src.data_ptr()), static_cast<char*>(out.data_ptr()),
+                        header.count, dtype, op == ReduceOp::AVG ? ReduceOp::SUM : op, scale);
+    return out;
+  }
+  at::Tensor full = input.clone();
+  if (header.prescale != 1.0) scaleInPlace(full.data_ptr(), header.count, dtype, header.prescale);
+  allreduce(static_cast<char*>(full.data_ptr()), header, headers);
+  return full.narrow(0, firstRowOf(total, opt_.size, opt_.rank), rows).clone();
+}
+
+// Broadcast: first within the root's host, then among leaders, then within other hosts.
+void Communicator::broadcast(char* data, size_t bytes, int root) {
+  const int rootHost = rankHost_[root];
+  if (shm_ && hostIndex_ == rootHost) shm_->broadcast(data, bytes, rankLocal_[root]);
+  if (numHosts() == 1) return;
+  if (tcp_) tcp_->broadcast(data, bytes, rootHost);
+  if (shm_ && hostIndex_ != rootHost) shm_->broadcast(data, bytes, 0);
+}
+
+// Allgather with a different dim-0 size per rank: gather within the host, exchange whole
+// host blocks around the leaders' ring, then the leader hands the full result to its host.
+at::Tensor Communicator::allgather(const at::Tensor& input, const std::vector<OpHeader>& headers,
+                                   const at::Tensor& given) {
+  const size_t esize = input.element_size();
+  std::vector<size_t> offset(opt_.size + 1, 0);
+  int64_t rows = 0;
+  for (int r = 0; r < opt_.size; ++r) {
+    offset[r + 1] = offset[r] + headers[r].count * esize;
+    rows += static_cast<int64_t>(headers[r].rows);
+  }
+  std::vector<int64_t> sizes = input.sizes().vec();
+  if (sizes.empty()) sizes.push_back(1);
+  sizes[0] = rows;
+  // The caller's output when it has the result's size (c10d's all_gather_into_tensor): no
+  // allocation, no copy. Sizes are known only now, so a wrong one falls back to a new tensor.
+  const bool fits = given.defined() && static_cast<size_t>(given.nbytes()) == offset[opt_.size];
+  at::Tensor out = fits ? given : at::empty(sizes, input.options());
+  char* dst = static_cast<char*>(out.data_ptr());
+  const char* src = static_cast<const char*>(input.data_ptr());
+  const auto& local = opt_.hosts[hostIndex_];
+  if (shm_) {
+    std::vector<std::pair<size_t, size_t>> pieces;
+    for (int r : local) pieces.emplace_back(offset[r], offset[r + 1] - offset[r]);
+    shm_->allgather(src, dst, pieces);
+  } else {
+    const size_t mine = offset[opt_.rank + 1] - offset[opt_.rank];
+    if (mine > 0) std::memcpy(dst + offset[opt_.rank], src, mine);  // src may be null then
+  }
+  if (numHosts() > 1) {
+    if (tcp_) {
+      std::vector<std::vector<Span>> blocks(numHosts());
+      for (int h = 0; h < numHosts(); ++h) {
+        for (int r : opt_.hosts[h]) blocks[h].push_back({dst + offset[r], offset[r + 1] - offset[r]});
+      }
+      tcp_->allgather(blocks);
+    }
+    if (shm_) shm_->broadcast(dst, offset[opt_.size], 0);
+  }
+  return out;
+}
+
+}  // namespace torchring
