@@ -68,8 +68,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _harness import (common_args, finish, machine_info, max_over_ranks, oversubscribed,  # noqa: E402
                       print_header, rank_env, reporting, run_world, sum_over_ranks)
+from _models import mlp, timed_steps  # noqa: E402
 from _sizes import fmt_size, parse_size  # noqa: E402
-from train_step import mlp, timed_steps  # noqa: E402
 
 SECTIONS = ("step", "latency")
 STEP_CONFIGS = ("compute", "ddp_floor", "ddp_gloo", "ddp_torchring", "wrap")
