@@ -30,18 +30,12 @@ model fraction = (time of one single-thread copy of the message) / (allreduce ti
 from __future__ import annotations
 
 import argparse
-import contextlib
-import datetime
-import json
-import multiprocessing as mp
 import os
-import platform
 import resource
 import statistics
 import sys
 import time
-import traceback
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -49,26 +43,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _peers  # noqa: E402  (benchmarks/ is on sys.path as the script's folder)
 import _plot  # noqa: E402
+from _harness import (DTYPES, common_args, copy_bandwidth, finish, machine_info, max_over_ranks,  # noqa: E402
+                      oversubscribed, print_header, rank_env, reporting, run_world, sum_over_ranks)
 from _sizes import fmt_size, parse_size  # noqa: E402
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_SIZES = "4,4K,64K,256K,1M,16M,64M,256M"
 LIBS = ("torchring", "torchring-shm", "gloo", "mpi", "deepspeed")
-
-
-def copy_bandwidth(nbytes: int = 256 * 2**20, reps: int = 5) -> float:
-    """Single-thread torch copy_ bandwidth in GB/s, counting read + write (STREAM)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
-    dst.copy_(src)
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - start)
-    torch.set_num_threads(threads)
-    return 2 * nbytes / statistics.median(times) / 1e9
 
 
 class Lib:
@@ -80,22 +60,6 @@ class Lib:
         self.sync = sync  # waits for queued device work (CUDA); a no-op on the CPU
 
 
-def _max_over_ranks(values: list[float]) -> list[float]:
-    import torch.distributed as dist
-
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
-def _sum_over_ranks(value: int) -> int:
-    import torch.distributed as dist
-
-    t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t)
-    return int(t.item())
-
-
 def measure(lib: Lib, rank: int, world: int, count: int, dtype: torch.dtype, trials: int,
             trial_s: float) -> dict[str, Any]:
     """Check, calibrate and time one (library, size, dtype) point; the same dict on every rank."""
@@ -104,7 +68,7 @@ def measure(lib: Lib, rank: int, world: int, count: int, dtype: torch.dtype, tri
     t.copy_(i + rank)
     lib.allreduce(t)
     lib.sync()
-    wrong = _sum_over_ranks(int((t != (i * world + world * (world - 1) // 2).to(dtype)).sum()))
+    wrong = sum_over_ranks(int((t != (i * world + world * (world - 1) // 2).to(dtype)).sum()))
     del i
     t.zero_()  # sums of zeros stay zero, so repeated in-place calls time the same work
     lib.allreduce(t)
@@ -113,7 +77,7 @@ def measure(lib: Lib, rank: int, world: int, count: int, dtype: torch.dtype, tri
     for _ in range(2):
         lib.allreduce(t)
     lib.sync()
-    (per_call,) = _max_over_ranks([(time.perf_counter() - start) / 2])
+    (per_call,) = max_over_ranks([(time.perf_counter() - start) / 2])
     iters = max(1, min(10000, round(trial_s / per_call)))
     usage = resource.getrusage(resource.RUSAGE_SELF)
     wall = time.perf_counter()
@@ -128,31 +92,12 @@ def measure(lib: Lib, rank: int, world: int, count: int, dtype: torch.dtype, tri
     wall = time.perf_counter() - wall
     after = resource.getrusage(resource.RUSAGE_SELF)
     cores = (after.ru_utime - usage.ru_utime + after.ru_stime - usage.ru_stime) / wall
-    times = _max_over_ranks(times)
+    times = max_over_ranks(times)
     sec = statistics.median(times)
     algbw = count * t.element_size() / sec / 1e9
     return {"lib": lib.name, "time_us": sec * 1e6, "algbw": algbw, "busbw": algbw * 2 * (world - 1) / world,
             "wrong": wrong, "iters": iters, "trial_us": [x * 1e6 for x in times], "rank0_cores": cores,
             "slowest_over_median": max(times) / sec}
-
-
-def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
-    """What a launcher gives one spawned rank of a one-host job (rendezvous on the parent's store)."""
-    return dict(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
-
-
-@contextlib.contextmanager
-def reporting(rank: int, queue: Any) -> Iterator[None]:
-    """A rank's body: rank 0 reports ("done", None) when it ends, a failure goes to the parent."""
-    try:
-        yield
-        if rank == 0:
-            queue.put(("done", None))
-    except BaseException:
-        queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
-        raise
 
 
 def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any) -> None:
@@ -203,45 +148,8 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, queue
         dist.destroy_process_group()
 
 
-def run_world(world: int, args: argparse.Namespace, on_row: Callable[[dict], None],
-              target: Callable[..., None] | None = None) -> None:
-    """Spawn one world, host its store like the torchrun agent, hand rank 0's rows to on_row.
-
-    Each rank runs target(rank, world, store_port, args, queue) (default: this script's ranks),
-    which puts ("row", dict), then ("done", None) from rank 0, or ("error", text) on any rank."""
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    target = target or _rank_main
-    procs = [ctx.Process(target=target, args=(r, world, store.port, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        while True:
-            try:
-                kind, payload = queue.get(timeout=1.0)
-            except Exception:  # queue.Empty: see whether a rank died silently
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise SystemExit(f"world {world}: rank pid {dead[0].pid} exited with {dead[0].exitcode}")
-                continue
-            if kind == "row":
-                on_row(payload)
-            elif kind == "error":
-                raise SystemExit(f"world {world} failed on {payload}")
-            else:
-                break
-        for p in procs:
-            p.join(timeout=60)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-
-
-def print_header(libs: list[str]) -> None:
+def print_table_header(libs: list[str]) -> None:
+    """The table's column names and rule."""
     names = ["size", "dtype"] + [f"{lib} µs" for lib in libs]
     names += ["best peer / torchring", "torchring busbw GB/s", "model fraction (plain, shm)", "slowest/median", "#wrong"]
     print("| " + " | ".join(names) + " |\n|" + "---|" * len(names), flush=True)
@@ -263,19 +171,6 @@ def print_row(row: dict, libs: list[str]) -> None:
     print("| " + " | ".join(cells) + " |", flush=True)
 
 
-def machine_info() -> dict[str, Any]:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
-            "cpu": cpu,
-            "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-            "loadavg": os.getloadavg()}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--worlds", default="2,3", help="comma-separated world sizes (default 2,3)")
@@ -294,9 +189,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="cuda: tensors on the GPU; the peer is torch's NCCL group when every rank "
                              "has a GPU, else gloo's CUDA path (the 'gloo' columns then show that peer)")
-    parser.add_argument("--json", help="also write every measurement to this JSON file")
     parser.add_argument("--plot", help="also draw time vs size per library into this PNG (matplotlib)")
-    parser.add_argument("--quick", action="store_true", help="world 2; 4K,1M,16M; 3 trials of ~0.1 s")
+    common_args(parser, quick="world 2; 4K,1M,16M; 3 trials of ~0.1 s")
     parser.add_argument("--rank-of", help=argparse.SUPPRESS)  # PORT:ROWS_FILE, set for ranks mpirun starts
     args = parser.parse_args()
     if args.rank_of:
@@ -313,9 +207,9 @@ def main() -> None:
     args.libs = [lib for lib in wanted if not skipped.get(lib)]
     info = machine_info()
     info["copy_t1_GBps"] = copy_bandwidth()
-    info["versions"] = versions(args.libs)
-    print(f"# allreduce: {', '.join(args.libs)}  ({info['date']}, {info['cpu']}, {info['cores']} cores, "
-          f"loadavg {info['loadavg'][0]:.2f}; {info['versions']})")
+    peers = peer_versions(args.libs)
+    info["versions"] = ", ".join([f"torch {torch.__version__}", *peers])
+    print_header(f"allreduce: {', '.join(args.libs)}", info, *peers)
     for lib, why in skipped.items():
         if why:
             print(f"(left out {lib}: {why})")
@@ -323,12 +217,11 @@ def main() -> None:
           f"{args.transport}; bind={args.bind}; times are medians of {args.trials} trials\n")
     rows: list[dict] = []
     for world in map(int, args.worlds.split(",")):
-        over = world > (os.cpu_count() or 1)
-        print(f"## world {world}" + (f" (OVERSUBSCRIBED: {world} ranks on {os.cpu_count()} cores, "
-                                     "not for bandwidth claims)" if over else "") + "\n")
-        print_header(args.libs)
+        over = oversubscribed(world, claims="bandwidth")
+        print(f"## world {world}{over}\n")
+        print_table_header(args.libs)
 
-        def on_row(row: dict, over: bool = over) -> None:
+        def on_row(row: dict, over: bool = bool(over)) -> None:
             model_s = row["size"] / (info["copy_t1_GBps"] / 2 * 1e9)  # one single-thread copy of the message
             for lib in args.libs:
                 if lib in row:
@@ -340,7 +233,7 @@ def main() -> None:
         if "mpi" in args.libs:
             run_mpirun_world(world, args, on_row)
         else:
-            run_world(world, args, on_row)
+            run_world(world, args, on_row, target=_rank_main)
         print()
     if args.plot:
         _plot.draw(rows, args.libs, args.plot, f"{info['cpu']}, {info['date']}")
@@ -365,9 +258,9 @@ def run_mpirun_world(world: int, args: argparse.Namespace, on_row: Callable[[dic
     _peers.run_under_mpirun(world, args.bind, store.port, argv, on_message)
 
 
-def versions(libs: list[str]) -> str:
-    """'torch 2.13.0, Open MPI 5.0.11, ...': what each library of the run is."""
-    out = [f"torch {torch.__version__}"]
+def peer_versions(libs: list[str]) -> list[str]:
+    """['Open MPI 5.0.11 (mpi4py 4.1.2)', 'DeepSpeed 0.19.8']: what each peer of the run is."""
+    out = []
     if "mpi" in libs:
         import mpi4py
 
@@ -379,17 +272,7 @@ def versions(libs: list[str]) -> str:
         import deepspeed
 
         out.append(f"DeepSpeed {deepspeed.__version__}")
-    return ", ".join(out)
-
-
-def finish(args: argparse.Namespace, info: dict, rows: list[dict], wrong: int) -> None:
-    """Writes --json (machine, arguments, every row) and fails the run if any element was wrong."""
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": info, "args": vars(args), "rows": rows}, f, indent=1)
-        print(f"wrote {args.json}")
-    if wrong:
-        raise SystemExit(f"{wrong} wrong elements in the correctness checks")
+    return out
 
 
 if __name__ == "__main__":

@@ -48,7 +48,8 @@ sys.path[:0] = [_HERE, _ROOT, os.path.join(_ROOT, "tests")]
 
 import torch  # noqa: E402
 
-from allreduce import DTYPES, _max_over_ranks, fmt_size, machine_info, parse_size  # noqa: E402
+from _harness import DTYPES, common_args, finish, machine_info, max_over_ranks  # noqa: E402
+from _sizes import fmt_size, parse_size  # noqa: E402
 
 LIBS = ("torchring", "gloo")
 PORT = 29500  # rank 0's store, inside host 0's own network namespace
@@ -75,7 +76,7 @@ def _calibrate(allreduce: Any, barrier: Any, t: torch.Tensor, trial_s: float) ->
     start = time.perf_counter()
     for _ in range(2):
         allreduce(t)
-    (per_call,) = _max_over_ranks([(time.perf_counter() - start) / 2])
+    (per_call,) = max_over_ranks([(time.perf_counter() - start) / 2])
     return max(1, min(10000, round(trial_s / per_call)))
 
 
@@ -122,7 +123,7 @@ def _rank_main(a: argparse.Namespace) -> None:
                         allreduce(t)
                     times[lib].append((time.perf_counter() - start) / iters[lib])
             for lib in libs:
-                trial = _max_over_ranks(times[lib])
+                trial = max_over_ranks(times[lib])
                 sec = statistics.median(trial)
                 algbw = nbytes / sec / 1e9
                 row[lib].update(time_us=sec * 1e6, algbw=algbw, busbw=algbw * 2 * (world - 1) / world,
@@ -295,8 +296,7 @@ def main() -> None:
                         "the link rate is always -P 1's (default 1,bidir)")
     p.add_argument("--iperf-s", type=float, default=2.0, help="seconds per iperf3 run (default 2)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds the job may take (default 600)")
-    p.add_argument("--json", help="also write machine, arguments, link and rows to this JSON file")
-    p.add_argument("--quick", action="store_true", help="sizes 1M,16M; 3 trials of ~0.2 s")
+    common_args(p, quick="sizes 1M,16M; 3 trials of ~0.2 s")
     p.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rows", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -359,14 +359,7 @@ def main() -> None:
             row[lib]["x_link"] = row[lib]["busbw"] / (link_bps / 8e9)
             if bidir_bps:
                 row[lib]["x_bidir"] = row[lib]["busbw"] / (bidir_bps / 8e9)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"machine": info, "args": vars(a), "job": job, "link_bps": link, "rows": rows}, f,
-                      indent=1)
-        print(f"wrote {a.json}")
-    wrong = sum(r[lib]["wrong"] for r in rows for lib in libs)
-    if wrong:
-        raise SystemExit(f"{wrong} wrong elements in the correctness checks")
+    finish(a, info, rows, sum(r[lib]["wrong"] for r in rows for lib in libs), job=job, link_bps=link)
 
 
 if __name__ == "__main__":

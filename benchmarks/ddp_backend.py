@@ -66,10 +66,10 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from allreduce import (_max_over_ranks, _sum_over_ranks, finish, fmt_size,  # noqa: E402
-                       machine_info, parse_size, rank_env, reporting, run_world)
-from horovod_synthetic import _commit  # noqa: E402
-from train_step import mlp, timed_steps  # noqa: E402
+from _harness import (common_args, finish, machine_info, max_over_ranks, oversubscribed,  # noqa: E402
+                      print_header, rank_env, reporting, run_world, sum_over_ranks)
+from _models import mlp, timed_steps  # noqa: E402
+from _sizes import fmt_size, parse_size  # noqa: E402
 
 SECTIONS = ("step", "latency")
 STEP_CONFIGS = ("compute", "ddp_floor", "ddp_gloo", "ddp_torchring", "wrap")
@@ -129,7 +129,7 @@ def step_section(rank: int, args: argparse.Namespace, gloo: Any, queue: Any) -> 
             torch.manual_seed(1000 + rank)  # timed_steps draws the batch: per rank, same for every config
             times, fault = timed_steps(models[name], args.batch, args.width, args.steps, args.warmup,
                                        torchring.barrier)
-            (step_s[name],) = _max_over_ranks([statistics.median(times)])
+            (step_s[name],) = max_over_ranks([statistics.median(times)])
             faults[name] = fault
         if rank == 0:
             queue.put(("row", {"section": "step", "round": round_, "params": params, "step_s": step_s,
@@ -195,7 +195,7 @@ def latency_point(rank: int, world: int, nbytes: int, args: argparse.Namespace, 
     for name, call in calls.items():
         t.copy_(pattern + rank)
         call()
-        wrong[name] = _sum_over_ranks(int((t != expected).sum()))
+        wrong[name] = sum_over_ranks(int((t != expected).sum()))
         t.zero_()  # sums of zeros stay zero: every later call does the same work
         for _ in range(3):
             call()
@@ -203,7 +203,7 @@ def latency_point(rank: int, world: int, nbytes: int, args: argparse.Namespace, 
         start = time.perf_counter()
         for _ in range(20):
             call()
-        (per_call,) = _max_over_ranks([(time.perf_counter() - start) / 20])
+        (per_call,) = max_over_ranks([(time.perf_counter() - start) / 20])
         iters[name] = max(1, min(20000, round(args.trial_s / per_call)))
     names = list(calls)
     times: dict[str, list[float]] = {k: [] for k in names}
@@ -216,7 +216,7 @@ def latency_point(rank: int, world: int, nbytes: int, args: argparse.Namespace, 
                 call()
             times[name].append((time.perf_counter() - start) / iters[name])
     for name in names:
-        trial_us = [x * 1e6 for x in _max_over_ranks(times[name])]
+        trial_us = [x * 1e6 for x in max_over_ranks(times[name])]
         row[name] = {"time_us": statistics.median(trial_us), "trial_us": trial_us, "iters": iters[name],
                      "wrong": wrong[name]}
     for added, lib, base in (("added_us", "backend", "direct"), ("raw_added_us", "backend_raw", "direct"),
@@ -328,9 +328,7 @@ def main() -> None:
     parser.add_argument("--libs", default=",".join(LAT_LIBS), help=f"latency: subset of {','.join(LAT_LIBS)}")
     parser.add_argument("--trials", type=int, default=9, help="latency trials per size (default 9)")
     parser.add_argument("--trial-s", type=float, default=0.05, help="latency: seconds per trial (default 0.05)")
-    parser.add_argument("--json", help="also write the machine, the arguments and every row here")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: width 256, 2 rounds of 2 steps, sizes 4,64K, 3 trials of ~0.01 s")
+    common_args(parser, quick="smoke run: width 256, 2 rounds of 2 steps, sizes 4,64K, 3 trials of ~0.01 s")
     args = parser.parse_args()
     if args.quick:
         args.width, args.rounds, args.steps, args.sizes, args.trials, args.trial_s = 256, 2, 2, "4,64K", 3, 0.01
@@ -347,12 +345,9 @@ def main() -> None:
     if min(args.world, args.width, args.batch, args.steps, args.rounds, args.trials) < 1 or args.warmup < 0:
         parser.error("--world, --width, --batch, --steps, --rounds and --trials must be >= 1, --warmup >= 0")
     info = machine_info()
-    info["commit"] = _commit()
-    cores = len(os.sched_getaffinity(0))
-    over = " (OVERSUBSCRIBED: not for speed claims)" if args.world > cores else ""
-    print(f"# ddp backend: DDP on torchring vs DDP on gloo vs torchring.wrap, and the backend's per-call "
-          f"overhead  ({info['date']}, {info['cpu']}, {cores} cores, torch {info['torch']}, "
-          f"commit {info['commit']}, loadavg {info['loadavg'][0]:.2f})")
+    print_header("ddp backend: DDP on torchring vs DDP on gloo vs torchring.wrap, and the backend's per-call "
+                 "overhead", info)
+    over = oversubscribed(args.world)
     print(f"world {args.world}{over}; step: MLP width {args.width}, batch {args.batch}/rank, {args.steps} "
           f"steps after {args.warmup} warm-up per round; latency: {args.trials} trials of ~{args.trial_s} s\n")
     rows: list[dict] = []

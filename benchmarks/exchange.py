@@ -27,15 +27,15 @@ Sections (each torchring and gloo side by side, over the same spawned ranks):
             barrier of the world). One allreduce per group checks each afterwards (not timed),
             then every group is destroyed (timed separately).
 
-Method (as benchmarks/allreduce.py, whose helpers this script uses): every world's ranks are
-spawned once and join both a gloo process group and torchring over the same agent store; every
-rank runs torch.set_num_threads(1). Per point and library: a correctness check with integer data
-(#wrong: elements that differ from the analytic value, summed over ranks), a warm-up that also
-calibrates `iters` so one trial takes about --trial-s seconds, then --trials trials, each a
-barrier and `iters` back-to-back calls timed as the mean per call. A trial's time is the max over
-ranks; the tables show the median over trials. ratio = gloo time / torchring time (above 1:
-torchring is faster). Groups: each trial is one timed batch of creations (max over ranks), the
-median of --group-trials trials.
+Method (as benchmarks/allreduce.py, over the same harness, benchmarks/_harness.py): every
+world's ranks are spawned once and join both a gloo process group and torchring over the same
+agent store; every rank runs torch.set_num_threads(1). Per point and library: a correctness
+check with integer data (#wrong: elements that differ from the analytic value, summed over
+ranks), a warm-up that also calibrates `iters` so one trial takes about --trial-s seconds, then
+--trials trials, each a barrier and `iters` back-to-back calls timed as the mean per call. A
+trial's time is the max over ranks; the tables show the median over trials. ratio = gloo time /
+torchring time (above 1: torchring is faster). Groups: each trial is one timed batch of
+creations (max over ranks), the median of --group-trials trials.
 """
 
 from __future__ import annotations
@@ -52,8 +52,9 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from allreduce import (_max_over_ranks, _sum_over_ranks, copy_bandwidth, finish,  # noqa: E402
-                       fmt_size, machine_info, parse_size, rank_env, reporting, run_world)
+from _harness import (common_args, copy_bandwidth, finish, machine_info, max_over_ranks,  # noqa: E402
+                      oversubscribed, print_header, rank_env, reporting, run_world, sum_over_ranks)
+from _sizes import fmt_size, parse_size  # noqa: E402
 
 DEFAULT_SIZES = "4K,64K,1M,16M,64M"
 DEFAULT_P2P_SIZES = "4,64,1K,16K,256K,1M,4M,16M,64M"
@@ -69,7 +70,7 @@ def time_calls(call: Callable[[], Any], barrier: Callable[[], Any], trials: int,
     start = time.perf_counter()
     for _ in range(2):
         call()
-    (per_call,) = _max_over_ranks([(time.perf_counter() - start) / 2])
+    (per_call,) = max_over_ranks([(time.perf_counter() - start) / 2])
     iters = max(1, min(10000, round(trial_s / per_call)))
     times = []
     for _ in range(trials):
@@ -78,7 +79,7 @@ def time_calls(call: Callable[[], Any], barrier: Callable[[], Any], trials: int,
         for _ in range(iters):
             call()
         times.append((time.perf_counter() - start) / iters)
-    return _max_over_ranks(times), iters
+    return max_over_ranks(times), iters
 
 
 def _stats(times: list[float], iters: int, wrong: int, nbytes: int) -> dict[str, Any]:
@@ -117,8 +118,8 @@ def alltoall_point(rank: int, world: int, nbytes: int, args: argparse.Namespace)
             bad_splits = int((splits != block).sum()) if splits.numel() == world else world
         else:
             got, bad_splits = out, 0
-        wrong = _sum_over_ranks(int((got != expected).sum()) + bad_splits if got.shape == expected.shape
-                                else count)
+        wrong = sum_over_ranks(int((got != expected).sum()) + bad_splits if got.shape == expected.shape
+                               else count)
         times, iters = time_calls(call, barrier, args.trials, args.trial_s)
         m = _stats(times, iters, wrong, count * 4)
         m["algbw"] = m.pop("GBps")
@@ -154,7 +155,7 @@ def p2p_point(rank: int, nbytes: int, args: argparse.Namespace) -> dict[str, Any
             recv(buf, 0)
             wrong = int((buf != pattern + 1).sum())
             send(pattern + 2, 0)
-        wrong = _sum_over_ranks(wrong)
+        wrong = sum_over_ranks(wrong)
 
         def round_trip() -> None:
             if rank == 0:
@@ -227,9 +228,9 @@ def groups_point(rank: int, world: int, args: argparse.Namespace) -> dict[str, A
             created.append(c)
             destroyed.append(d)
             wrong += w
-        created, destroyed = _max_over_ranks(created), _max_over_ranks(destroyed)
+        created, destroyed = max_over_ranks(created), max_over_ranks(destroyed)
         row[name] = {"create_s": statistics.median(created), "destroy_s": statistics.median(destroyed),
-                     "wrong": _sum_over_ranks(wrong), "create_trials_s": created,
+                     "wrong": sum_over_ranks(wrong), "create_trials_s": created,
                      "destroy_trials_s": destroyed}
     return row
 
@@ -339,9 +340,7 @@ def main() -> None:
     parser.add_argument("--group-trials", type=int, default=3, help="group-creation trials (default 3)")
     parser.add_argument("--trials", type=int, default=5, help="timed trials per point (default 5)")
     parser.add_argument("--trial-s", type=float, default=0.15, help="target seconds per trial (default 0.15)")
-    parser.add_argument("--json", help="also write every measurement to this JSON file")
-    parser.add_argument("--quick", action="store_true",
-                        help="alltoall worlds 2,4 at 4K,1M,16M; p2p 4,64K,4M; 100 groups once; 3 trials of ~0.05 s")
+    common_args(parser, quick="alltoall worlds 2,4 at 4K,1M,16M; p2p 4,64K,4M; 100 groups once; 3 trials of ~0.05 s")
     args = parser.parse_args()
     if args.quick:
         args.sizes, args.p2p_sizes, args.group_trials = "4K,1M,16M", "4,64K,4M", 1
@@ -353,13 +352,12 @@ def main() -> None:
     info = machine_info()
     info["copy_t1_GBps"] = copy_bandwidth()
     info["gloo_addr"] = socket.gethostbyname(socket.gethostname())
-    print(f"# exchange: torchring vs gloo  ({info['date']}, {info['cpu']}, {info['cores']} cores, "
-          f"torch {info['torch']}, loadavg {info['loadavg'][0]:.2f})")
+    print_header("exchange: torchring vs gloo", info)
     print(f"memory reference: copy_ 1 thread 256 MiB = {info['copy_t1_GBps']:.1f} GB/s; times are medians "
           f"of {args.trials} trials (groups: {args.group_trials}); ratio = gloo time / torchring time\n")
     rows: list[dict] = []
     for world, transport, sections in plan(args):
-        over = f" (OVERSUBSCRIBED: {world} ranks on {os.cpu_count()} cores)" if world > (os.cpu_count() or 1) else ""
+        over = oversubscribed(world)
         shown: list[Any] = [None]
 
         def on_row(row: dict, over: str = over, shown: list[Any] = shown) -> None:

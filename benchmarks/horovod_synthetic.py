@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any, Callable
@@ -42,7 +41,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from allreduce import finish, machine_info, rank_env, reporting, run_world  # noqa: E402
+from _harness import (common_args, finish, machine_info, oversubscribed, print_header,  # noqa: E402
+                      rank_env, reporting, run_world)
 
 CONFIGS = ("compute", "hvd", "wrap", "ddp")
 SYNCED = ("hvd", "wrap", "ddp")
@@ -163,19 +163,6 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, queue
         dist.destroy_process_group()
 
 
-def _commit() -> str:
-    """The checkout's commit (with '+dirty' when files differ from it), or 'unknown'."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                              text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (head + ("+dirty" if dirty else "")) if head else "unknown"
-
-
 def _ratio(rows: list[dict], a: str, b: str) -> float | None:
     """Median over rounds of images/s of a / images/s of b (None when either did not run)."""
     pairs = [(r["images_s"][a], r["images_s"][b]) for r in rows if a in r["images_s"] and b in r["images_s"]]
@@ -194,7 +181,7 @@ def main() -> None:
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {','.join(CONFIGS)}")
     parser.add_argument("--no-broadcast-buffers", dest="broadcast_buffers", action="store_false",
                         help="wrap and DDP do not broadcast buffers at each forward (as hvd)")
-    parser.add_argument("--json", help="also write the machine, the arguments and every round here")
+    common_args(parser)
     args = parser.parse_args()
     args.configs = [c for c in args.configs.split(",") if c]
     unknown = [c for c in args.configs if c not in CONFIGS]
@@ -203,12 +190,8 @@ def main() -> None:
     if min(args.world, args.batch, args.image, args.width, args.steps, args.rounds) < 1 or args.warmup < 0:
         parser.error("--world, --batch, --image, --width, --steps and --rounds must be >= 1, --warmup >= 0")
     info = machine_info()
-    info["commit"] = _commit()
-    cores = len(os.sched_getaffinity(0))
-    over = " (OVERSUBSCRIBED: not for speed claims)" if args.world > cores else ""
-    print(f"# horovod synthetic: images/s, hvd.DistributedOptimizer vs torchring.wrap vs DDP-gloo  "
-          f"({info['date']}, {info['cpu']}, {cores} cores, torch {info['torch']}, "
-          f"commit {info['commit']}, loadavg {info['loadavg'][0]:.2f})")
+    print_header("horovod synthetic: images/s, hvd.DistributedOptimizer vs torchring.wrap vs DDP-gloo", info)
+    over = oversubscribed(args.world)
     print(f"world {args.world}{over}, batch {args.batch}/rank, {args.image}x{args.image} images, "
           f"width {args.width}, {args.steps} steps after {args.warmup} warm-up per round, "
           f"broadcast_buffers={args.broadcast_buffers} for wrap and ddp\n")

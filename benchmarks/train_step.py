@@ -30,7 +30,6 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import resource
 import socket
 import statistics
 import sys
@@ -40,45 +39,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def mlp(width: int) -> nn.Module:
-    """The 1024 -> 4x -> 4x -> 1024 MLP of the reference measurements (25.18M params at 1024)."""
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(width, 4 * width), nn.ReLU(), nn.Linear(4 * width, 4 * width),
-                         nn.ReLU(), nn.Linear(4 * width, width))
-
-
-def timed_steps(model: nn.Module, batch: int, width: int, steps: int, warmup: int,
-                barrier: Callable[[], None], pooled: bool = False) -> tuple[list[float], float]:
-    """Seconds per training step on this rank (after warmup), each step started together, and
-    this rank's minor page faults per step."""
-    from torchring._wrap import memory
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    device = next(model.parameters()).device
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    x, y = torch.randn(batch, width, device=device), torch.randn(batch, width, device=device)
-    times, faults = [], 0
-
-    def pool_this_backward(grad: torch.Tensor) -> None:
-        task = memory.grad_pool_begin()
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: memory.grad_pool_end(task))
-    for step in range(warmup + steps):
-        barrier()
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        start = time.perf_counter()
-        opt.zero_grad()
-        pred = model(x)
-        if pooled:  # as in a wrapped backward: pooled from the output's gradient on
-            pred.register_hook(pool_this_backward)
-        nn.functional.mse_loss(pred, y).backward()
-        opt.step()
-        sync()
-        if step >= warmup:
-            times.append(time.perf_counter() - start)
-            faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-    return times, faults / steps
+from _models import mlp, timed_steps  # noqa: E402
 
 
 def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:

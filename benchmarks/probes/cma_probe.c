@@ -11,7 +11,7 @@
 // MADV_HUGEPAGE first (transparent huge pages in "madvise" mode): fewer pages to pin.
 // Five rounds; the first warms up.
 //
-//   gcc -O2 benchmarks/cma_probe.c -o /tmp/cma_probe
+//   gcc -O2 benchmarks/probes/cma_probe.c -o /tmp/cma_probe
 //   /tmp/cma_probe MIB PIECE_KIB        e.g. 32 256, 1 64;   HUGE=1 /tmp/cma_probe 32 256
 #define _GNU_SOURCE
 #include <stdio.h>
@@ -22,11 +22,7 @@
 #include <time.h>
 #include <unistd.h>
 
-static double now(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return t.tv_sec + t.tv_nsec * 1e-9;
-}
+#include "timer.h"
 
 // Reads [src, src + bytes) of process `pid` into dst in calls of `piece` bytes; 0 on success.
 static int readPieces(pid_t pid, char* dst, size_t dstStride, const char* src, size_t bytes,

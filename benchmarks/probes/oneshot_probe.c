@@ -17,7 +17,7 @@
 // just written; every allreduce of fresh data pays it for the peer's BYTES at world 2. The summary gives each variant's
 // median and 10th/90th percentile per-iteration time over blocks run in random order.
 //
-//   gcc -O2 -mavx2 -pthread benchmarks/oneshot_probe.c -o /tmp/oneshot_probe
+//   gcc -O2 -mavx2 -pthread benchmarks/probes/oneshot_probe.c -o /tmp/oneshot_probe
 //   /tmp/oneshot_probe [DURATION_S=20] [BYTES=65536]
 #define _GNU_SOURCE
 #include <immintrin.h>
@@ -28,6 +28,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+#include "timer.h"
 
 enum { kVariants = 5, kIters = 2000, kMaxBlocks = 100000 };
 static const char* kNames[kVariants] = {"full", "sync", "no-copy", "copy-only", "full-nt"};
@@ -41,12 +43,6 @@ static atomic_int variant, go[2], done[2];
 static double blockTime[kVariants][kMaxBlocks];
 static int blocks[kVariants];
 static double blockSeconds;  // rank 0's time for the last block
-
-static double now(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return t.tv_sec + t.tv_nsec * 1e-9;
-}
 
 static void add(float* dst, const float* a, const float* b, size_t n) {
   for (size_t i = 0; i < n; i += 8) {

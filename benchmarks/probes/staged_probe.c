@@ -19,7 +19,7 @@
 // the fraction of blocks slower than 4x the fastest routine's median ("slow"), and the same
 // split by round trip.
 //
-//   gcc -O2 -mavx2 -mprfchw -pthread benchmarks/staged_probe.c -o /tmp/staged_probe
+//   gcc -O2 -mavx2 -mprfchw -pthread benchmarks/probes/staged_probe.c -o /tmp/staged_probe
 //   /tmp/staged_probe [DURATION_S=120] [BYTES=1048576]
 #define _GNU_SOURCE
 #include <immintrin.h>
@@ -31,6 +31,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "timer.h"
+
 enum { kRoutines = 4, kIters = 300, kMaxBlocks = 200000, kPrefetch = 2048, kRttRounds = 2000 };
 static const char* kNames[kRoutines] = {"memcpy", "avx2", "nt-staging", "avx2+prefetchw"};
 
@@ -40,12 +42,6 @@ static char* staging[2][2];
 static _Alignas(64) atomic_uint stamp[2][16];  // stamp[r][0] on its own cache line
 static _Alignas(64) atomic_int command;         // routine to run next, kRoutines: rtt, -1: stop
 static unsigned own[2];
-
-static double now(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return t.tv_sec + t.tv_nsec * 1e-9;
-}
 
 static void pin(int cpu) {
   cpu_set_t set;
