@@ -9,7 +9,7 @@ Needs root (network namespaces), iproute2, util-linux and iperf3 (Debian:
 `DEBIAN_FRONTEND=noninteractive apt-get install -y iperf3`; no system iperf3 daemon is needed or
 started: this script runs `iperf3 -s -1` inside a test host). Not run in CI.
 
-Method. The hosts are tests/_hosts.py's simulated hosts (network, UTS, IPC, PID and mount
+Method. The hosts are tests/support/_hosts.py's simulated hosts (network, UTS, IPC, PID and mount
 namespaces joined by a bridge; every host's egress shaped to --rate with tc; addresses in
 198.18.0.0/15 with no route out, so no traffic leaves loopback and the test hosts). In the same
 run, on the same links:
@@ -44,7 +44,7 @@ from typing import Any
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
-sys.path[:0] = [_HERE, _ROOT, os.path.join(_ROOT, "tests")]
+sys.path[:0] = [_HERE, _ROOT, os.path.join(_ROOT, "tests", "support")]
 
 import torch  # noqa: E402
 
@@ -312,7 +312,7 @@ def main() -> None:
     if a.hosts < 2:
         raise SystemExit(f"--hosts {a.hosts}: a cross-host benchmark needs at least 2 hosts")
     rate = None if a.rate.lower() == "none" else a.rate
-    from _hosts import can_make_hosts, hosts  # tests/_hosts.py: the same hosts the tests use
+    from _hosts import can_make_hosts, hosts  # tests/support/_hosts.py: the same hosts the tests use
     from torchring._core import build as _build
 
     why = can_make_hosts()

@@ -3,8 +3,11 @@
 import os
 import sys
 
+import pytest
+
 _TESTS = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [_TESTS, os.path.dirname(_TESTS)]  # tests/ for _dist, the repo root for torchring
+# tests/support for the helpers (_dist, _hosts, _fake_world, _world, ...), the repo root for torchring
+sys.path[:0] = [os.path.join(_TESTS, "support"), os.path.dirname(_TESTS)]
 # Spawned ranks inherit TORCHRING_* from here; a hang then fails in seconds, not 5 minutes.
 os.environ.setdefault("TORCHRING_TIMEOUT", "30")
 
@@ -16,3 +19,13 @@ try:
 except ImportError:
     _HAS_CUDA = False
 collect_ignore_glob = [] if _HAS_CUDA else ["gpu/*"]
+
+_SPAWNING = tuple(os.path.join(_TESTS, d) + os.sep for d in ("spawned", "gpu"))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests under tests/spawned/ (and tests/gpu/) start ranks in processes of their own: they
+    get the `spawned` marker, so `pytest -m "not spawned"` is the fast run."""
+    for item in items:
+        if str(item.path).startswith(_SPAWNING):
+            item.add_marker(pytest.mark.spawned)

@@ -1,4 +1,4 @@
-"""torchring.cuda: which way this job's CUDA tensors go (set up in torchring._gpu_path).
+"""torchring.cuda: which way this job's CUDA tensors go (set up in torchring._core.gpu_path).
 
     torchring.cuda.path()    # 'nccl', 'staged' or 'none'
     torchring.cuda.reason()  # why, e.g. 'several ranks share one GPU, which NCCL refuses'

@@ -1,4 +1,4 @@
-"""The engine's collectives, in process (tests/engine/_world.py): every dtype and op, sizes that
+"""The engine's collectives, in process (tests/support/_world.py): every dtype and op, sizes that
 cross segment boundaries and the one-shot limit, staged and zero-copy (arena) allreduce,
 broadcast from every root, allgather with uneven rows, reduce_scatter; on shared memory, TCP
 and both, at worlds 1-4, with integer data whose results are exact."""

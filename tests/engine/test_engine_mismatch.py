@@ -1,5 +1,5 @@
-"""A mismatch leaves no state behind, in process (tests/engine/_world.py): every case of
-tests/test_mismatch.py's MISMATCHES, on shared memory, TCP and both, with the odd rank first,
+"""A mismatch leaves no state behind, in process (tests/support/_world.py): every case of
+tests/spawned/api/test_mismatch.py's MISMATCHES, on shared memory, TCP and both, with the odd rank first,
 in the middle or last, on the chunked path with 4 KiB segments. Each mismatch must fail on
 every rank with CollectiveMismatchError naming exactly rank 0's call and the first differing
 rank's call, and must be followed by exact collectives: a one-segment allreduce (on one host,
@@ -17,7 +17,7 @@ import torch
 
 from _checks import Checker, expected_allreduce, rank_input, reference
 from _world import mismatch_text, run_world, submit
-from test_mismatch import MISMATCHES, Call, expected_pair, message_problem
+from _mismatches import MISMATCHES, Call, expected_pair, message_problem
 from torchring._core.types import OpKind, ReduceOp
 
 # name -> (host of each rank, transport, odd ranks to try: first, a middle one, last)

@@ -1,4 +1,4 @@
-"""Mismatches in issue #12's operations, in process (tests/engine/_world.py): a rank whose reduce
+"""Mismatches in issue #12's operations, in process (tests/support/_world.py): a rank whose reduce
 root, gather/scatter shape, alltoall splits, row shape or dtype, uneven reduce_scatter rows or
 allreduce_many tensors differ from its peers', and a recv whose size differs from the send's.
 Every rank taking part gets CollectiveMismatchError naming the ranks and the numbers that

@@ -1,4 +1,4 @@
-"""Point-to-point send/recv on the engine, in process (tests/engine/_world.py): every dtype at
+"""Point-to-point send/recv on the engine, in process (tests/support/_world.py): every dtype at
 sizes 0, 1, odd and multi-segment, exchanged in both directions at once; a ring pass of
 messages larger than 256 KiB (they wrap the shared-memory ring); FIFO order per (peer, tag),
 and tags received in another order than sent; on shared memory, TCP and both (fake hosts),

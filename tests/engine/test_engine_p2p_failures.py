@@ -1,4 +1,4 @@
-"""Point-to-point failures, in process (tests/engine/_world.py): a recv from a peer that never
+"""Point-to-point failures, in process (tests/support/_world.py): a recv from a peer that never
 sends (silent or shut down) and a send that is never received raise CommunicatorFailedError
 within the timeout naming the peer and the tag, and fail the communicator; shutdown() with
 isend/irecv pending returns promptly and fails the pending work, also for a thread blocked

@@ -1,4 +1,4 @@
-"""Issue #12's collectives on the engine, in process (tests/engine/_world.py): reduce, gather and
+"""Issue #12's collectives on the engine, in process (tests/support/_world.py): reduce, gather and
 scatter from every root, alltoall with uneven and empty splits, reduce_scatter with dim 0 not
 divisible by the world size (into a caller's tensor too), allreduce_many, prescale/postscale;
 every dtype (int16 included, bool where the op moves data or takes MIN/MAX), sizes 0, 1, odd

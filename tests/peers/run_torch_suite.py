@@ -15,7 +15,7 @@ job; it writes ``<out>/<backend>-<init>.xml`` and ``.log``. The summary prints p
 xfailed and skipped per pair, then every test that passes on gloo but not on torchring with the
 reason: its EXPECTED_FAILURES entry, or the suite's own gating (SKIP_REASONS). The exit status is
 0 when no test failed, every skip has a known reason, and every gloo pass is matched on torchring
-or explained. ``--json FILE`` writes all of it for tools (tests/test_torch_suite_smoke.py).
+or explained. ``--json FILE`` writes all of it for tools (tests/spawned/c10d/test_torch_suite_smoke.py).
 ``--alias-gloo`` then also runs the tests that the suite gates by the name "gloo" with BACKEND=gloo
 while the default process group is torchring's: informative, shown beside those tests.
 
@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(out, exist_ok=True)
     if not args.report_only:
         if "torchring" in kinds or args.alias_gloo:  # build the engine once, not in a test's ranks
-            subprocess.check_call([sys.executable, "-c", "import torchring._build as b; b.load()"], cwd=_ROOT)
+            subprocess.check_call([sys.executable, "-c", "import torchring._core.build as b; b.load()"], cwd=_ROOT)
         for i in inits:  # both backends on env:// first: the comparison is ready sooner
             for kind in kinds:
                 rc = _session(kind, i, out, args.select, args.tests, args.timeout, args.pytest_args)

@@ -1,4 +1,4 @@
-"""The pure helpers of the simulated-host fixture (tests/_hosts.py): rates, addresses, /etc/hosts."""
+"""The pure helpers of the simulated-host fixture (tests/support/_hosts.py): rates, addresses, /etc/hosts."""
 
 from __future__ import annotations
 

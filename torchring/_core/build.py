@@ -4,7 +4,7 @@ The cache key covers the torch version, the Python version, the compiler flags, 
 sources and the CPU's instruction set, so a new torch (or a new machine sharing a home
 directory) rebuilds instead of failing to import. A file lock makes the ranks of a job
 that start together build once: the first takes the lock and builds, the rest wait and
-load the result. Progress goes to the "torchring" logger (torchring._log).
+load the result. Progress goes to the "torchring" logger (torchring._core.log).
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def _import_built(path: Path) -> ModuleType:
 
 def load(verbose: bool = False) -> ModuleType:
     """Returns the engine module, building it first if this version is not cached; raises
-    ImportError if its reduce ops, op kinds or dtypes differ from torchring._types'."""
+    ImportError if its reduce ops, op kinds or dtypes differ from torchring._core.types'."""
     global _module
     if _module is not None:
         return _module

@@ -3,7 +3,7 @@
 Order: the torchrun contract (RANK, WORLD_SIZE, ...), then Open MPI, then PMI (MPICH,
 Intel MPI), then SLURM; with none of them the job is a single process. torchring's own
 variables (TORCHRING_*, including TORCHRING_JOB_ID, which overrides ``Launch.job_id``) are
-read by torchring._settings.
+read by torchring._core.settings.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@
 
 This module sets the path up (the choice, the NCCL communicator's creation and teardown);
 ``collectives`` dispatches CUDA tensors along it. ``choose_path`` and ``choose_device`` are
-pure functions so that every branch is tested without a GPU (tests/unit/test_gpu_path.py).
+pure functions so that every branch is tested without a GPU (tests/unit/core/test_gpu_path.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ error). Ranks given to a collective (``src``, ``dst``) are ranks of its group. T
 forms run on the calling thread when nothing is queued; the ``_async`` forms return a Handle at
 once and run on the communicator's progress thread.
 
-CUDA tensors go the way torchring._gpu_path chose at init(): on the "nccl" path allreduce,
+CUDA tensors go the way torchring._core.gpu_path chose at init(): on the "nccl" path allreduce,
 broadcast, allgather and reduce_scatter of the world group go to the NCCL communicator (its
 header compared by the CPU engine too); everything else (the other collectives, any collective
 of a group made by new_group(), scaling factors, uneven reduce_scatter rows) and the "staged"

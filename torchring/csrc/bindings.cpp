@@ -25,7 +25,7 @@ using torchring::Work;
 
 namespace {
 
-// Raises the Python class of torchring._errors named `name` with `what` as its message.
+// Raises the Python class of torchring._core.errors named `name` with `what` as its message.
 void raise(const char* name, const char* what) {
   py::object cls = py::module_::import("torchring._core.errors").attr(name);
   PyErr_SetString(cls.ptr(), what);
@@ -121,7 +121,7 @@ py::dict buildInfo() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "torchring engine";
-  // Engine exceptions become the classes of the same role in torchring._errors (which exist
+  // Engine exceptions become the classes of the same role in torchring._core.errors (which exist
   // before any build); most derived first.
   py::register_exception_translator([](std::exception_ptr p) {
     try {
@@ -182,7 +182,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("message"), "Test-only: warn() from a thread of the engine's own, as the watchdog does.");
 
-  // The engine's enums by name and value; torchring._types checks its mirror against them.
+  // The engine's enums by name and value; torchring._core.types checks its mirror against them.
   py::dict reduceOps, opKinds;
   for (int i = 0; i < torchring::kNumReduceOps; ++i) {
     reduceOps[torchring::opName(static_cast<ReduceOp>(i))] = i;

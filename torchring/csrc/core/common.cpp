@@ -71,7 +71,7 @@ std::string OpHeader::describe() const {
   std::ostringstream out;
   auto k = static_cast<OpKind>(kind);
   if (k == OpKind::BARRIER) return "barrier";
-  // The same spelling as Python's torchring._types.describe(): float32[10, 100].
+  // The same spelling as Python's torchring._core.types.describe(): float32[10, 100].
   out << dtypeName(static_cast<DType>(dtype)) << "[";
   for (int d = 0; d < ndim && d < kMaxDims; ++d) {
     if (d > 0) out << ", ";

@@ -46,7 +46,7 @@ class WaitTimeoutError : public TorchringError {
 // How every CommFailedError ends: what to do about it.
 extern const char* const kRecoveryHint;
 
-// Python's torchring._types mirrors these three; it checks them against the names and values
+// Python's torchring._core.types mirrors these three; it checks them against the names and values
 // bindings.cpp publishes (REDUCE_OPS, DTYPES, OP_KINDS) when the engine loads.
 enum class ReduceOp : uint8_t { SUM = 0, AVG = 1, MIN = 2, MAX = 3, PRODUCT = 4 };
 enum class DType : uint8_t { F32 = 0, F64, F16, BF16, I8, U8, I32, I64, BOOL, I16 };

@@ -189,7 +189,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
 };
 
 DType toDType(at::ScalarType type);
-// "float32[10, 4]": a tensor as messages name it (Python's torchring._types.describe).
+// "float32[10, 4]": a tensor as messages name it (Python's torchring._core.types.describe).
 std::string tensorText(const at::Tensor& tensor);
 // Rows of an uneven reduce_scatter: rank r gets rows/size rows, one more when r < rows % size.
 int64_t rowsOf(int64_t rows, int size, int rank);
