@@ -286,7 +286,7 @@ OpHeader Communicator::makeHeader(OpKind kind, const at::Tensor& tensor, ReduceO
   header.dtype = static_cast<uint8_t>(toDType(tensor.scalar_type()));
   header.count = static_cast<uint64_t>(tensor.numel());
   header.setShape(tensor.sizes().data(), static_cast<int>(tensor.dim()));
-  if (kind == OpKind::ALLGATHER || kind == OpKind::ALLTOALL) {
+  if (opSpec(kind).ragged) {  // allgather, alltoall: the rows may differ, their shape may not
     header.rows = tensor.dim() > 0 ? static_cast<uint64_t>(tensor.size(0)) : 1;
     header.rowElems = 1;
     for (int d = 1; d < tensor.dim(); ++d) header.rowElems *= static_cast<uint64_t>(tensor.size(d));
