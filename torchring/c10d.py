@@ -11,7 +11,8 @@ job secret and the transport setting from the group's rank 0, every rank's host)
 engine Communicator (shared memory within a host, a TCP ring between hosts, point-to-point
 streams) with ``torchring.init()``'s own code (_core/rendezvous.py ``connect``), and wraps it
 in the C++ backend (csrc/c10d/backend.h). The process group's timeout becomes the engine's: a
-mismatch or a dead peer fails the op's Work and Future within it. ``destroy_process_group()`` shuts the communicator down.
+mismatch or a dead peer fails the op's Work and Future within it. ``destroy_process_group()``
+shuts the communicator down.
 """
 
 from __future__ import annotations
