@@ -143,9 +143,9 @@ def test_the_engine_applies_the_dtype_op_rule_of_every_reduction() -> None:
         return errors
 
     for rank, errors in enumerate(run_world(2, job)):
-        assert errors[0].startswith(f"rank {rank}: allreduce of int32[3]: AVG needs a floating-point tensor"), errors
+        assert errors[0].startswith(f"rank {rank}: allreduce of int32[3]: AVG needs a floating-point"), errors
         assert "reduce of bool[3]: bool tensors reduce with MIN and MAX only" in errors[1], errors
-        assert "allreduce of int64[3]: prescale and postscale factors need a floating-point tensor" in errors[2], errors
+        assert "allreduce of int64[3]: prescale and postscale factors need a floating-point" in errors[2], errors
         assert errors[3] == "[False, False] True", errors
 
 
