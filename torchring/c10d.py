@@ -7,24 +7,24 @@
 torch calls ``_create`` once per process group (the world, then every ``new_group`` and
 DeviceMesh sub-group, on its members only) with the group's store, already prefixed by torch,
 as the rendezvous: no second store. ``_create`` meets the group's other ranks through it (the
-job secret from the group's rank 0, every rank's host), wires an engine Communicator (shared
-memory within a host, a TCP ring between hosts, point-to-point streams) exactly as
-``torchring.init()`` does, and wraps it in the C++ backend (csrc/c10d/backend.h). The process
-group's timeout becomes the engine's: a mismatch or a dead peer fails the op's Work and
-Future within it. ``destroy_process_group()`` shuts the communicator down.
+job secret and the transport setting from the group's rank 0, every rank's host) and wires an
+engine Communicator (shared memory within a host, a TCP ring between hosts, point-to-point
+streams) with ``torchring.init()``'s own code (_core/rendezvous.py ``connect``), and wraps it
+in the C++ backend (csrc/c10d/backend.h). The process group's timeout becomes the engine's: a
+mismatch or a dead peer fails the op's Work and Future within it. ``destroy_process_group()``
+shuts the communicator down.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import secrets
 import socket
 from typing import Any
 
 import torch.distributed as dist
 
-from ._core import build as _build, rendezvous as _rendezvous
+from ._core import build as _build, env as _env, rendezvous as _rendezvous
 from ._core.settings import Settings
 
 __all__ = ["register", "BACKEND_NAME"]
@@ -50,27 +50,10 @@ def _create(options: Any, pg_options: Any = None) -> Any:
     ranks = list(getattr(options, "global_ranks_in_group", []) or [])
     world = dist.get_world_size() if dist.is_initialized() else size
     label = _label(str(getattr(options, "group_id", "")), ranks, max(world, size))
-    prefix = "torchring/"
-    if size > 1:
-        if rank == 0:
-            store.set(prefix + "secret", secrets.token_hex(16))
-        secret = _rendezvous.get(store, prefix + "secret", rank, "the group's rank 0", timeout).decode()
-        hosts = _rendezvous.hosts_of(store, prefix, rank, size, host, timeout)
-    else:
-        secret, hosts = "", [host]
-    groups = _rendezvous.host_groups(hosts)
-    if settings.transport == "tcp":
-        groups = [[r] for r in range(size)]
-    comm = _rendezvous.communicator(engine, rank, size, groups, settings, secret, arena_bytes=0,
-                                    label=label)
-    try:
-        if size > 1:
-            master = os.environ.get("MASTER_ADDR", "127.0.0.1")
-            _rendezvous.wire(comm, store, prefix, rank, master, host, groups, settings)
-        comm.start()
-    except BaseException:
-        comm.shutdown()
-        raise
+    # The host of the store's address: where the route to it starts (one host: every rank's).
+    master_addr = _env.detect().master_addr if size > 1 else "127.0.0.1"
+    comm = _rendezvous.connect(engine, store, "torchring/", rank, size, settings, host, master_addr,
+                               secret_from="the group's rank 0", arena_bytes=0, label=label).comm
     return engine.make_c10d_backend(comm, rank, size, label)
 
 

@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 import torchring
 from _checks import expected_allreduce, rank_input
-from _world import ENGINE, allreduce, run_world, submit
-from torchring._core.types import OpKind
+from _world import ENGINE, allreduce, run_world, submit, submit_op
+from torchring._core.types import OpKind, ReduceOp
 
 
 @pytest.mark.parametrize("hosts,transport", [("aaa", "shm"), ("abc", "tcp"), ("aab", "shm")])
@@ -121,6 +121,32 @@ def test_the_engine_checks_what_its_direct_callers_pass() -> None:
         assert "allreduce needs a tensor" in errors[3] and "unknown collective kind 12" in errors[4], errors
         assert "unknown reduce op 7" in errors[5] and errors[6] == str([2.0] * 5), errors
         assert all(e.startswith(f"rank {rank}:") for e in errors[:4]), errors
+
+
+def test_the_engine_applies_the_dtype_op_rule_of_every_reduction() -> None:
+    def job(rank: int, comm: Any) -> list[str]:
+        errors = []
+        for kind, dtype, op, scale in [(OpKind.ALLREDUCE, torch.int32, ReduceOp.AVG, 1.0),
+                                       (OpKind.REDUCE, torch.bool, ReduceOp.SUM, 1.0),
+                                       (OpKind.ALLREDUCE, torch.int64, ReduceOp.SUM, 0.5)]:
+            with pytest.raises(ValueError) as caught:
+                submit_op(comm, kind, torch.ones(3, dtype=dtype), op, root=0 if kind.rooted else -1,
+                          prescale=scale)
+            errors.append(str(caught.value).splitlines()[0])
+        # The fast path declines what the rule refuses (the checked path then words it) and
+        # takes the rest.
+        now = ENGINE.allreduce_now_function(comm)
+        declined = [now(torch.ones(3, dtype=torch.bool), int(ReduceOp.SUM)),
+                    now(torch.ones(3, dtype=torch.int8), int(ReduceOp.AVG))]
+        taken = now(torch.ones(3, dtype=torch.bool), int(ReduceOp.MAX))
+        errors.append(f"{declined} {taken}")
+        return errors
+
+    for rank, errors in enumerate(run_world(2, job)):
+        assert errors[0].startswith(f"rank {rank}: allreduce of int32[3]: AVG needs a floating-point"), errors
+        assert "reduce of bool[3]: bool tensors reduce with MIN and MAX only" in errors[1], errors
+        assert "allreduce of int64[3]: prescale and postscale factors need a floating-point" in errors[2], errors
+        assert errors[3] == "[False, False] True", errors
 
 
 class _UnreachableStore(dist.Store):

@@ -42,16 +42,16 @@ def run_world(world: int, fn: Callable[[int, Any], Any], hosts: str = "", transp
     errors: list[BaseException | None] = [None] * world
 
     def rank_main(rank: int) -> None:
-        comm = _rendezvous.communicator(ENGINE, rank, world, groups, settings, "secret", **overrides)
+        comm = None  # connect() shuts down what it could not start
         try:
-            if world > 1:
-                _rendezvous.wire(comm, store, prefix, rank, "127.0.0.1", hosts[rank], groups, settings)
-            comm.start()
+            comm = _rendezvous.connect(ENGINE, store, prefix, rank, world, settings, hosts[rank], "127.0.0.1",
+                                       secret="secret", groups=groups, **overrides).comm
             results[rank] = fn(rank, comm)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
             errors[rank] = exc
         finally:
-            comm.shutdown()
+            if comm is not None:
+                comm.shutdown()
 
     # Daemons: a rank that hangs (the failure the test looks for) must not keep pytest alive.
     threads = [threading.Thread(target=rank_main, args=(r,), name=f"rank{r}", daemon=True)

@@ -11,7 +11,6 @@ import atexit
 import dataclasses
 import math
 import os
-import secrets
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -70,7 +69,6 @@ def init(timeout: float | None = None) -> None:
         return
     launch = _env.detect()
     settings = _read_settings(launch.rank, timeout)
-    timeout, transport = settings.timeout, settings.transport
     engine = _build.load()
     rank, world = launch.rank, launch.world_size
     job_id = settings.job_id or launch.job_id
@@ -78,38 +76,16 @@ def init(timeout: float | None = None) -> None:
     _generation += 1
     host = settings.hostname or socket.gethostname()
 
-    store = _rendezvous.store(launch, timeout) if world > 1 else None
-    if store is not None:
-        if rank == 0:
-            store.set(prefix + "secret", secrets.token_hex(16))
-        secret = _rendezvous.get(store, prefix + "secret", rank, "rank 0's job secret", timeout).decode()
-        if rank == 0:
-            store.set(prefix + "transport", transport)
-        theirs = _rendezvous.get(store, prefix + "transport", rank, "rank 0's transport", timeout).decode()
-        if theirs != transport:
-            raise ValueError(f"rank {rank}: TORCHRING_TRANSPORT is {transport!r} here but {theirs!r} on "
-                             "rank 0; every rank must use the same transport setting")
-        hosts = _rendezvous.hosts_of(store, prefix, rank, world, host, timeout)
-    else:
-        secret, hosts = "", [host]
-    real_groups = _rendezvous.host_groups(hosts)
-    groups = [[r] for r in range(world)] if transport == "tcp" else real_groups
-    my_real = next(g for g in real_groups if rank in g)
-
-    comm = _rendezvous.communicator(engine, launch.rank, launch.world_size, groups, settings, secret)
-    try:
-        if store is not None:
-            _rendezvous.wire(comm, store, prefix, launch.rank, launch.master_addr, host, groups, settings)
-        comm.start()
-    except BaseException:
-        comm.shutdown()
-        raise
+    store = _rendezvous.store(launch, settings.timeout) if world > 1 else None
+    wired = _rendezvous.connect(engine, store, prefix, rank, world, settings, host, launch.master_addr)
+    comm, groups = wired.comm, wired.groups
+    my_real = next(g for g in wired.real_groups if rank in g)
     local_rank = launch.local_rank if launch.local_rank is not None else my_real.index(rank)
     local_size = launch.local_world_size if launch.local_world_size is not None else len(my_real)
     used = "none" if world == 1 else "+".join(
         t for t, on in (("shm", comm.has_shm), ("tcp", comm.num_hosts > 1)) if on)
     _state = _State(launch, comm, local_rank, local_size, used or "none", settings, engine=engine,
-                    store=store, prefix=prefix, secret=secret, host=host,
+                    store=store, prefix=prefix, secret=wired.secret, host=host,
                     master_addr=launch.master_addr, host_groups=groups,
                     allreduce_now=engine.allreduce_now_function(comm))
     _last_settings = settings

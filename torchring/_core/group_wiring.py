@@ -214,15 +214,8 @@ def create(cls: type[G], ranks: Any) -> G:
                     "new_group() with the same ranks, in the same order")
     grank, hosts = members.index(me), group_hosts(state.host_groups, members)
     label = f"group {gid} of world ranks {ranks_text(members)} (the ranks in this message are group ranks): "
-    comm = _rendezvous.communicator(state.engine, grank, len(members), hosts, settings,
-                                    state.secret, arena_bytes=0, label=label)
-    try:
-        if len(members) > 1:
-            _rendezvous.wire(comm, state.store, prefix, grank, state.master_addr, state.host,
-                             hosts, settings)
-        comm.start()
-    except BaseException:
-        comm.shutdown()
-        raise
+    comm = _rendezvous.connect(state.engine, state.store, prefix, grank, len(members), settings,
+                               state.host, state.master_addr, secret=state.secret, groups=hosts,
+                               arena_bytes=0, label=label).comm
     state.groups[gid] = comm
     return cls(gid, members, state, comm)

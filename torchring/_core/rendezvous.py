@@ -16,8 +16,11 @@ never reads stale keys:
    rank learns where the ranks of other hosts listen for point-to-point messages (those
    connections open on first use).
 
-Steps 1 and 2 run in _context.init(); communicator() and wire() do 3 and 4 for any store and
-any rank, so tests can wire N communicators on N threads over one in-process HashStore.
+connect() runs them all and starts the communicator: for the world (context.init), a group
+(group_wiring.create, which knows the secret and the hosts already and so skips 1 and 2), the
+torch.distributed backend (c10d._create) and the engine tests (N communicators on N threads
+over one in-process HashStore). In step 1 rank 0 also publishes its ``transport``
+(TORCHRING_TRANSPORT), and every rank refuses to go on with a different one.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import os
 import secrets
 import socket
 from datetime import timedelta
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -175,3 +179,62 @@ def wire(comm: Any, store: dist.Store, prefix: str, rank: int, master_addr: str,
                            [int(i["p2p_port"]) if i else -1 for i in others])
         comm.set_failure_board(dist.PrefixStore(prefix, store),
                                store_where(master_addr, [i or info for i in others]))
+
+
+@dataclass
+class Connection:
+    """What connect() wired: the started communicator and what the job learnt on the way."""
+
+    comm: Any  # the engine's Communicator, started
+    secret: str  # the job secret every TCP handshake checks
+    groups: list[list[int]]  # ranks per host as wired (TORCHRING_TRANSPORT=tcp: one per rank)
+    real_groups: list[list[int]]  # ranks per host identity, whatever the transport
+
+
+def _meet(store: dist.Store, prefix: str, rank: int, size: int, host: str, settings: Settings,
+          secret_from: str) -> tuple[str, list[str]]:
+    """Steps 1 and 2 above: the job secret and every rank's host, after checking that every
+    rank uses rank 0's transport."""
+    timeout, transport = settings.timeout, settings.transport
+    if rank == 0:
+        store.set(prefix + "secret", secrets.token_hex(16))
+    secret = get(store, prefix + "secret", rank, secret_from, timeout).decode()
+    if rank == 0:
+        store.set(prefix + "transport", transport)
+    theirs = get(store, prefix + "transport", rank, "rank 0's transport", timeout).decode()
+    if theirs != transport:
+        raise ValueError(f"rank {rank}: TORCHRING_TRANSPORT is {transport!r} here but {theirs!r} on "
+                         "rank 0; every rank must use the same transport setting")
+    return secret, hosts_of(store, prefix, rank, size, host, timeout)
+
+
+def connect(engine: Any, store: dist.Store | None, prefix: str, rank: int, size: int, settings: Settings,
+            host: str, master_addr: str, secret: str | None = None,
+            groups: list[list[int]] | None = None, secret_from: str = "rank 0's job secret",
+            **overrides: Any) -> Connection:
+    """A started communicator for `rank` of `size`, wired through `store` under `prefix`.
+
+    Without `secret` and `groups` the ranks meet first (steps 1 and 2; `secret_from` names rank
+    0's secret in a timeout's message); with them (a group of a wired world, the engine tests)
+    they do not. `store` may be None for a single rank; `overrides` set further CommOptions
+    fields (arena_bytes, label, one_shot_bytes)."""
+    if groups is None:
+        if size > 1:
+            assert store is not None, "several ranks meet through a store"
+            secret, hosts = _meet(store, prefix, rank, size, host, settings, secret_from)
+        else:
+            secret, hosts = "", [host]
+        real_groups = host_groups(hosts)
+        groups = [[r] for r in range(size)] if settings.transport == "tcp" else real_groups
+    else:
+        real_groups = groups
+    comm = communicator(engine, rank, size, groups, settings, secret or "", **overrides)
+    try:
+        if size > 1:
+            assert store is not None, "several ranks meet through a store"
+            wire(comm, store, prefix, rank, master_addr, host, groups, settings)
+        comm.start()
+    except BaseException:
+        comm.shutdown()
+        raise
+    return Connection(comm, secret or "", groups, real_groups)

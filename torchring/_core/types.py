@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import functools
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, NamedTuple, TypeVar
 
 import torch
 
@@ -42,12 +42,90 @@ class OpKind(enum.IntEnum):
     SEND = 10  # names point-to-point handles; never queued as a collective
     RECV = 11
 
+    @property
+    def reduces(self) -> bool:
+        """Combines the ranks' values with a ReduceOp."""
+        return OP_SPECS[self].reduces
+
+    @property
+    def rooted(self) -> bool:
+        """Has a root rank (src or dst)."""
+        return OP_SPECS[self].rooted
+
+    @property
+    def scalable(self) -> bool:
+        """Takes prescale and postscale factors."""
+        return OP_SPECS[self].scalable
+
+    @property
+    def in_place(self) -> bool:
+        """Its result is written into its input tensor."""
+        return OP_SPECS[self].in_place
+
+    @property
+    def nccl(self) -> bool:
+        """The NCCL path can run it (the world's CUDA tensors)."""
+        return OP_SPECS[self].nccl
+
+    @property
+    def ragged(self) -> bool:
+        """Its tensor's dim 0 may differ per rank (the rows' shape may not)."""
+        return OP_SPECS[self].ragged
+
+
+class OpSpec(NamedTuple):
+    """What a kind of collective is: the properties its checks and its header comparison read."""
+
+    reduces: bool
+    rooted: bool
+    scalable: bool
+    in_place: bool
+    nccl: bool
+    ragged: bool
+
+
+# One row per OpKind, the engine's OpSpec table (csrc/core/common.cpp kOpSpecs) in Python;
+# check_engine() compares the two when the engine loads.
+_T, _F = True, False
+OP_SPECS: dict[OpKind, OpSpec] = {
+    #                                reduces rooted scalable in_place nccl ragged
+    OpKind.ALLREDUCE:        OpSpec(_T,     _F,    _T,      _T,      _T,  _F),
+    OpKind.BROADCAST:        OpSpec(_F,     _T,    _F,      _T,      _T,  _F),
+    OpKind.ALLGATHER:        OpSpec(_F,     _F,    _F,      _F,      _T,  _T),
+    OpKind.REDUCE_SCATTER:   OpSpec(_T,     _F,    _T,      _F,      _T,  _F),
+    OpKind.BARRIER:          OpSpec(_F,     _F,    _F,      _F,      _F,  _F),
+    OpKind.REDUCE:           OpSpec(_T,     _T,    _F,      _T,      _F,  _F),
+    OpKind.GATHER:           OpSpec(_F,     _T,    _F,      _F,      _F,  _F),
+    OpKind.SCATTER:          OpSpec(_F,     _T,    _F,      _T,      _F,  _F),
+    OpKind.ALLTOALL:         OpSpec(_F,     _F,    _F,      _F,      _F,  _T),
+    OpKind.ALLREDUCE_MANY:   OpSpec(_T,     _F,    _T,      _T,      _F,  _F),
+    OpKind.SEND:             OpSpec(_F,     _F,    _F,      _F,      _F,  _F),
+    OpKind.RECV:             OpSpec(_F,     _F,    _F,      _T,      _F,  _F),
+}
+
 
 # The engine's dtype enum, in its order.
 DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
                                    torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool,
                                    torch.int16)
 FLOATS: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def reduction_refusal(kind: OpKind, dtype: torch.dtype, op: ReduceOp | None, scaled: bool) -> str | None:
+    """The dtype x op rule of every reduction (the engine's reductionRefusal, common.cpp): which
+    rule a `kind` collective of `dtype` reducing with `op` (None: not in question), `scaled`
+    by factors other than 1, breaks: "bool" (bool reduces with MIN and MAX only), "avg" (AVG
+    needs a floating dtype), "scale" (so do the factors); None when it breaks none."""
+    if not OP_SPECS[kind].reduces:
+        return None
+    floating = dtype in FLOATS
+    if op is not None and dtype == torch.bool and op not in (ReduceOp.MIN, ReduceOp.MAX):
+        return "bool"
+    if op == ReduceOp.AVG and not floating:
+        return "avg"
+    if scaled and not floating:
+        return "scale"
+    return None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -61,19 +139,23 @@ def describe(t: torch.Tensor) -> str:
 
 
 def check_engine(engine: Any) -> None:
-    """Raises ImportError if the engine's REDUCE_OPS, OP_KINDS or DTYPES differ from these.
+    """Raises ImportError if the engine's REDUCE_OPS, OP_KINDS, OP_SPECS or DTYPES differ from these.
 
     An attribute the engine lacks (a build older than these attributes) is not checked."""
     expected: dict[str, Any] = {
         "REDUCE_OPS": {op.name: op.value for op in ReduceOp},
         "OP_KINDS": {kind.name: kind.value for kind in OpKind},
+        "OP_SPECS": {kind.name: spec._asdict() for kind, spec in OP_SPECS.items()},
         "DTYPES": [dtype_name(d) for d in DTYPES],
     }
     for attr, ours in expected.items():
         theirs = getattr(engine, attr, None)
         if theirs is None:
             continue
-        if isinstance(ours, dict):
+        if attr == "OP_SPECS":
+            theirs = {str(name).upper(): {str(k): bool(v) for k, v in dict(row).items()}
+                      for name, row in dict(theirs).items()}
+        elif isinstance(ours, dict):
             theirs = {str(name).upper(): int(value) for name, value in dict(theirs).items()}
         else:
             theirs = [str(name).lower() for name in theirs]

@@ -39,9 +39,10 @@ from torch.utils import _pytree
 
 from .._core import context as _context, gpu_path as _gpu_path
 from ..collectives import basic as collectives
+from ..collectives._checks import dtype_advice
 from . import memory
 from .._core.errors import TorchringError
-from .._core.types import DTYPES, describe
+from .._core.types import describe, dtype_name
 from .join import Join, Round
 from .reducer import Reducer
 
@@ -108,9 +109,9 @@ class DistributedModel(nn.Module):
                 raise ValueError(f"{where}: '{name}' has sparse=True; sparse gradients are not "
                                  "supported, construct it with sparse=False")
         for name, t in list(module.named_parameters()) + list(module.named_buffers()):
-            if t.dtype not in DTYPES:
-                raise TypeError(f"{where}: '{name}' has dtype {t.dtype}, which torchring cannot "
-                                "communicate; use float32/64, float16, bfloat16 or an 8-64 bit integer")
+            if advice := dtype_advice(t.dtype):  # the collectives' rule
+                raise TypeError(f"{where}: '{name}' has dtype {dtype_name(t.dtype)}, which torchring "
+                                f"cannot communicate; {advice}")
         for name, p in module.named_parameters():
             if isinstance(p, nn.parameter.UninitializedParameter):
                 raise ValueError(f"{where}: parameter '{name}' is uninitialized (lazy module); "

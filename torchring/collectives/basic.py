@@ -15,12 +15,12 @@ of a group made by new_group(), scaling factors, uneven reduce_scatter rows) and
 path go through a pinned host copy that the CPU engine reduces, copied back when waited for.
 Either way the caller's input is checked once, and messages name the function the caller called.
 
-This module also holds the checks and the dispatch that rooted, alltoall and p2p share.
+This module also holds the dispatch that rooted, alltoall and p2p share; the checks they all
+share are in _checks.py.
 """
 
 from __future__ import annotations
 
-import math
 import pickle
 import time
 from typing import Any, Callable
@@ -29,8 +29,8 @@ import torch
 
 from .._core import context as _context, gpu_path as _gpu_path
 from .._core.group_wiring import GroupBase, Target, target
-from .._core.types import (DTYPES, FLOATS, Handle, OpKind, ReduceOp, _profiler_on, describe, dtype_name,
-                           profiled)
+from .._core.types import Handle, OpKind, ReduceOp, _profiler_on, profiled
+from . import _checks
 
 __all__ = [
     "ReduceOp", "Handle", "allreduce", "allreduce_async", "broadcast", "broadcast_async",
@@ -38,80 +38,11 @@ __all__ = [
     "barrier_async", "broadcast_object", "allgather_object",
 ]
 
-_NCCL_KINDS = (OpKind.ALLREDUCE, OpKind.BROADCAST, OpKind.ALLGATHER, OpKind.REDUCE_SCATTER)
-_IN_PLACE = (OpKind.ALLREDUCE, OpKind.BROADCAST, OpKind.REDUCE, OpKind.SCATTER)  # result = input
-
-
-def _check_tensor(t: Any, what: str, tg: Target, name: str = "tensor") -> torch.Tensor:
-    where = tg.where(what)
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{where} expects a torch.Tensor as {name}, got {type(t).__name__}")
-    if t.layout != torch.strided:
-        raise TypeError(f"{where}: {t.layout} tensors are not supported ({name}); pass a dense "
-                        "tensor (tensor.to_dense())")
-    if t.dtype not in DTYPES:
-        names = ", ".join(dtype_name(d) for d in DTYPES)
-        raise TypeError(f"{where}: {name} {describe(t)} has a dtype torchring does not support; "
-                        f"use one of {names}")
-    if t.device.type == "cuda":
-        _gpu_path.check(t, where)
-    elif t.device.type != "cpu":
-        raise ValueError(f"{where}: {name} {describe(t)} is on {t.device}; torchring handles "
-                         "CPU and CUDA tensors")
-    if not t.is_contiguous():
-        raise ValueError(f"{where}: {name} {describe(t)} is not contiguous (strides "
-                         f"{t.stride()}); pass tensor.contiguous() and use that tensor afterwards")
-    return t
-
-
-def _check_op(t: torch.Tensor, op: Any, what: str, tg: Target) -> ReduceOp:
-    where = tg.where(what)
-    if not isinstance(op, ReduceOp):
-        raise TypeError(f"{where}: op must be a torchring.ReduceOp, got {op!r}")
-    if t.dtype == torch.bool and op not in (ReduceOp.MIN, ReduceOp.MAX):
-        raise TypeError(f"{where}: bool tensors support ReduceOp.MIN and MAX only, got {op.name}; "
-                        "convert to an integer dtype to sum or multiply")
-    if op == ReduceOp.AVG and t.dtype not in FLOATS:
-        raise ValueError(f"{where}: ReduceOp.AVG needs a floating-point tensor, got {describe(t)}; "
-                         "use SUM and divide, or convert to float")
-    return op
-
-
-def _check_rank(value: Any, name: str, what: str, tg: Target) -> int:
-    """A src/dst/peer argument: a rank of `tg`'s group."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < tg.size:
-        kind = "a rank" if tg.is_world else "a rank of the group (group ranks, not world ranks)"
-        raise ValueError(f"{tg.where(what)}: {name} must be {kind} in [0, {tg.size}), got {value!r}")
-    return value
-
-
-def _scale_kwargs(t: torch.Tensor, prescale: Any, postscale: Any, what: str,
-                  tg: Target) -> dict[str, float]:
-    """The engine's prescale/postscale keywords (none when both are 1)."""
-    for name, value in (("prescale_factor", prescale), ("postscale_factor", postscale)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ValueError(f"{tg.where(what)}: {name} must be a finite number, got {value!r}")
-    if prescale == 1 and postscale == 1:
-        return {}
-    if t.dtype not in FLOATS:
-        raise ValueError(f"{tg.where(what)}: prescale_factor/postscale_factor other than 1 need a "
-                         f"floating-point tensor, got {describe(t)}; scale it yourself or convert")
-    return {"prescale": float(prescale), "postscale": float(postscale)}
-
-
 def rows_of(rows: int, size: int, rank: int) -> tuple[int, int]:
     """(first row, number of rows) of `rank`'s share of `rows` split over `size` ranks: the
     first rows % size ranks get one row more (reduce_scatter)."""
     base, extra = divmod(rows, size)
     return rank * base + min(rank, extra), base + (rank < extra)
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """True if the bytes of contiguous `a` and `b` overlap."""
-    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
-        return False
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def _submit(kind: OpKind, t: torch.Tensor | None, op: int, root: int, inline: bool,
@@ -158,7 +89,7 @@ def _staged(kind: OpKind, t: torch.Tensor, op: int, root: int, inline: bool, wha
     """Runs a collective of a CUDA tensor on the CPU engine through a pinned host copy."""
     host = _pinned_copy(t)
     back: Callable[[torch.Tensor], torch.Tensor]
-    if kind in _IN_PLACE:
+    if kind.in_place:
         back = t.copy_  # in place, like the CPU form
     else:
         back = lambda out: out.to(t.device)  # noqa: E731  a new tensor, like the CPU form
@@ -168,7 +99,7 @@ def _staged(kind: OpKind, t: torch.Tensor, op: int, root: int, inline: bool, wha
 def nccl_runs(kind: OpKind, dtype: torch.dtype, is_world: bool, extra: bool) -> bool:
     """True when the NCCL path (once chosen) runs this CUDA collective: the world's four NCCL
     kinds without extra arguments (factors, out=, uneven rows), in a dtype NCCL has (not int16)."""
-    return is_world and kind in _NCCL_KINDS and not extra and dtype != torch.int16
+    return is_world and kind.nccl and not extra and dtype != torch.int16
 
 
 def _run(kind: OpKind, t: torch.Tensor, op: int, root: int, inline: bool, what: str, tg: Target,
@@ -208,9 +139,9 @@ class _Works:
 def _allreduce(tensor: torch.Tensor, op: ReduceOp, prescale: float, postscale: float,
                group: GroupBase | None, what: str, inline: bool) -> Handle:
     tg = target(group, what)
-    t = _check_tensor(tensor, what, tg)
-    op = _check_op(t, op, what, tg)
-    kw = _scale_kwargs(t, prescale, postscale, what, tg)
+    t = _checks.check_tensor(tensor, what, tg)
+    op = _checks.check_op(OpKind.ALLREDUCE, t, op, what, tg)
+    kw = _checks.scale_kwargs(OpKind.ALLREDUCE, t, prescale, postscale, what, tg)
     return _run(OpKind.ALLREDUCE, t, op, -1, inline, what, tg, **kw)
 
 
@@ -235,7 +166,7 @@ def allreduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, prescale_factor
     """Reduces `tensor` across ranks in place (each input times prescale_factor, the result
     times postscale_factor) and returns it."""
     # The common call (world, no scaling, no profiler) goes straight to the engine, which
-    # checks the tensor and op as _check_tensor/_check_op do and declines anything they would
+    # checks the tensor and op as _checks.check_tensor/check_op do and declines anything they would
     # refuse; the checked path then words the error.
     state = _context._state
     if (state is not None and group is None and type(op) is ReduceOp and type(prescale_factor) is float
@@ -248,8 +179,8 @@ def allreduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, prescale_factor
 def _broadcast(tensor: torch.Tensor, src: int, group: GroupBase | None, what: str,
                inline: bool) -> Handle:
     tg = target(group, what)
-    t = _check_tensor(tensor, what, tg)
-    src = _check_rank(src, "src", what, tg)
+    t = _checks.check_tensor(tensor, what, tg)
+    src = _checks.check_rank(src, "src", what, tg)
     return _run(OpKind.BROADCAST, t, 0, src, inline, what, tg)
 
 
@@ -267,7 +198,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: GroupBase | None = None
 
 def _allgather(tensor: torch.Tensor, group: GroupBase | None, what: str, inline: bool) -> Handle:
     tg = target(group, what)
-    t = _check_tensor(tensor, what, tg)
+    t = _checks.check_tensor(tensor, what, tg)
     t = t.reshape(1) if t.dim() == 0 else t  # a scalar is one row
     return _run(OpKind.ALLGATHER, t, 0, -1, inline, what, tg)
 
@@ -284,19 +215,13 @@ def allgather(tensor: torch.Tensor, group: GroupBase | None = None) -> torch.Ten
     return _allgather(tensor, group, "allgather", True).wait()
 
 
-def _check_rows(t: torch.Tensor, what: str, tg: Target) -> None:
-    if t.dim() == 0:
-        raise ValueError(f"{tg.where(what)}: tensor {describe(t)} has no dim 0 to split over the "
-                         f"ranks; pass a tensor of at least one dimension (tensor.reshape(1))")
-
-
 def _reduce_scatter(tensor: torch.Tensor, op: ReduceOp, prescale: float, postscale: float,
                     group: GroupBase | None, what: str, inline: bool) -> Handle:
     tg = target(group, what)
-    t = _check_tensor(tensor, what, tg)
-    op = _check_op(t, op, what, tg)
-    _check_rows(t, what, tg)
-    kw = _scale_kwargs(t, prescale, postscale, what, tg)
+    t = _checks.check_tensor(tensor, what, tg)
+    op = _checks.check_op(OpKind.REDUCE_SCATTER, t, op, what, tg)
+    _checks.check_rows(t, what, tg)
+    kw = _checks.scale_kwargs(OpKind.REDUCE_SCATTER, t, prescale, postscale, what, tg)
     even = t.shape[0] % tg.size == 0  # NCCL splits evenly only
     return _run(OpKind.REDUCE_SCATTER, t, op, -1, inline, what, tg, nccl=even, **kw)
 
@@ -344,7 +269,7 @@ def _to_bytes_tensor(obj: Any) -> torch.Tensor:
 def broadcast_object(obj: Any, src: int = 0, group: GroupBase | None = None) -> Any:
     """Returns rank `src`'s picklable `obj` on every rank."""
     tg = target(group, "broadcast_object")
-    src = _check_rank(src, "src", "broadcast_object", tg)
+    src = _checks.check_rank(src, "src", "broadcast_object", tg)
     mine = tg.rank == src
     payload = _to_bytes_tensor(obj) if mine else None
     length = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64)

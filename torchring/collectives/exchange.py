@@ -15,7 +15,8 @@ import torch
 
 from .._core.group_wiring import GroupBase, target
 from .._core.types import Handle, OpKind, describe, profiled
-from .basic import _check_rows, _check_tensor, _host, _overlap, _submit
+from . import _checks
+from .basic import _host, _submit
 
 __all__ = ["alltoall", "alltoall_async", "all_to_all_single", "all_to_all_single_async"]
 
@@ -57,8 +58,8 @@ def split_counts(splits: Any, rows: int, size: int, where: str) -> list[int]:
 def _alltoall(tensor: torch.Tensor, splits: Splits, group: GroupBase | None, what: str,
               inline: bool) -> Handle:
     tg = target(group, what)
-    t = _check_tensor(tensor, what, tg)
-    _check_rows(t, what, tg)
+    t = _checks.check_tensor(tensor, what, tg)
+    _checks.check_rows(t, what, tg)
     send = split_counts(splits, t.shape[0], tg.size, f"{tg.where(what)} of tensor {describe(t)}")
     send_splits = torch.tensor(send, dtype=torch.int64)
     recv_splits = torch.zeros(tg.size, dtype=torch.int64)
@@ -87,10 +88,10 @@ def _all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_splits:
                        input_splits: Splits, group: GroupBase | None, what: str,
                        inline: bool) -> Handle:
     tg = target(group, what)
-    i = _check_tensor(input, what, tg, "input")
-    o = _check_tensor(output, what, tg, "output")
-    _check_rows(i, what, tg)
-    _check_rows(o, what, tg)
+    i = _checks.check_tensor(input, what, tg, "input")
+    o = _checks.check_tensor(output, what, tg, "output")
+    _checks.check_rows(i, what, tg)
+    _checks.check_rows(o, what, tg)
     if o.dtype != i.dtype or o.shape[1:] != i.shape[1:]:
         raise ValueError(f"{tg.where(what)}: output {describe(o)} and input {describe(i)} must have "
                          "the same dtype and the same sizes beyond dim 0")
@@ -100,7 +101,7 @@ def _all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_splits:
     kw: dict[str, Any] = {"send_splits": torch.tensor(send, dtype=torch.int64),
                           "recv_splits": torch.tensor(recv, dtype=torch.int64),
                           "recv_splits_known": True}
-    if not i.is_cuda and not o.is_cuda and not _overlap(o, i):
+    if not i.is_cuda and not o.is_cuda and not _checks.overlap(o, i):
         return Handle(_submit(OpKind.ALLTOALL, i, 0, -1, inline, what, tg, out=o, **kw), lambda _: o)
     return Handle(_submit(OpKind.ALLTOALL, _host(i), 0, -1, inline, what, tg, **kw), o.copy_)
 

@@ -17,7 +17,8 @@ import torch
 
 from .._core.group_wiring import GroupBase, Target, target
 from .._core.types import Handle, profiled
-from .basic import _check_rank, _check_tensor, _host
+from . import _checks
+from .basic import _host
 
 __all__ = ["send", "recv", "isend", "irecv"]
 
@@ -29,7 +30,7 @@ def _check_tag(tag: Any, what: str, tg: Target) -> int:
 
 
 def _check_peer(peer: Any, name: str, what: str, tg: Target) -> int:
-    peer = _check_rank(peer, name, what, tg)
+    peer = _checks.check_rank(peer, name, what, tg)
     if peer == tg.rank:
         raise ValueError(f"{tg.where(what)}: {name}={peer} is this rank itself; send to and "
                          "receive from other ranks only")
@@ -38,7 +39,7 @@ def _check_peer(peer: Any, name: str, what: str, tg: Target) -> int:
 
 def _send(tensor: torch.Tensor, dst: int, tag: int, group: GroupBase | None, what: str) -> Handle:
     tg = target(group, what)
-    t = _check_tensor(tensor, what, tg)
+    t = _checks.check_tensor(tensor, what, tg)
     dst = _check_peer(dst, "dst", what, tg)
     tag = _check_tag(tag, what, tg)
     return Handle(tg.comm.send(_host(t), dst, tag), lambda _: None)
@@ -46,7 +47,7 @@ def _send(tensor: torch.Tensor, dst: int, tag: int, group: GroupBase | None, wha
 
 def _recv(tensor: torch.Tensor, src: int, tag: int, group: GroupBase | None, what: str) -> Handle:
     tg = target(group, what)
-    t = _check_tensor(tensor, what, tg)
+    t = _checks.check_tensor(tensor, what, tg)
     src = _check_peer(src, "src", what, tg)
     tag = _check_tag(tag, what, tg)
     if not t.is_cuda:

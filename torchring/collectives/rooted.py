@@ -15,8 +15,8 @@ import torch
 from .._core.errors import CollectiveMismatchError
 from .._core.group_wiring import GroupBase, Target, target
 from .._core.types import Handle, OpKind, ReduceOp, describe, dtype_name, profiled
-from .basic import (_check_op, _check_rank, _check_rows, _check_tensor, _host, _overlap, _run, _scale_kwargs,
-                    _submit, _Works, rows_of)
+from . import _checks
+from .basic import _host, _run, _submit, _Works, rows_of
 
 __all__ = [
     "reduce", "reduce_async", "gather", "gather_async", "scatter", "scatter_async",
@@ -57,9 +57,9 @@ def _like(t: torch.Tensor, items: list[Any], name: str, what: str, tg: Target) -
 def _reduce(tensor: torch.Tensor, dst: int, op: ReduceOp, group: GroupBase | None, what: str,
             inline: bool) -> Handle:
     tg = target(group, what)
-    t = _check_tensor(tensor, what, tg)
-    op = _check_op(t, op, what, tg)
-    dst = _check_rank(dst, "dst", what, tg)
+    t = _checks.check_tensor(tensor, what, tg)
+    op = _checks.check_op(OpKind.REDUCE, t, op, what, tg)
+    dst = _checks.check_rank(dst, "dst", what, tg)
     return _run(OpKind.REDUCE, t, op, dst, inline, what, tg)
 
 
@@ -80,8 +80,8 @@ def reduce(tensor: torch.Tensor, dst: int = 0, op: ReduceOp = ReduceOp.SUM,
 def _gather(tensor: torch.Tensor, dst: int, group: GroupBase | None, what: str,
             inline: bool) -> Handle:
     tg = target(group, what)
-    t = _check_tensor(tensor, what, tg)
-    dst = _check_rank(dst, "dst", what, tg)
+    t = _checks.check_tensor(tensor, what, tg)
+    dst = _checks.check_rank(dst, "dst", what, tg)
     shape, size, device = tuple(t.shape), tg.size, t.device
 
     def finish(out: torch.Tensor | None) -> list[torch.Tensor] | None:
@@ -106,8 +106,8 @@ def gather(tensor: torch.Tensor, dst: int = 0,
 def _scatter(tensor: torch.Tensor, chunks: Any, src: int, group: GroupBase | None, what: str,
              inline: bool) -> Handle:
     tg = target(group, what)
-    t = _check_tensor(tensor, what, tg)
-    src = _check_rank(src, "src", what, tg)
+    t = _checks.check_tensor(tensor, what, tg)
+    src = _checks.check_rank(src, "src", what, tg)
     kw: dict[str, Any] = {}
     if tg.rank == src:
         if chunks is None:
@@ -137,7 +137,7 @@ def scatter(tensor: torch.Tensor, chunks: Sequence[torch.Tensor] | None = None, 
 def _allgather_into(tensor_list: Any, tensor: torch.Tensor, group: GroupBase | None, what: str,
                     inline: bool) -> Handle:
     tg = target(group, what)
-    t = _check_tensor(tensor, what, tg)
+    t = _checks.check_tensor(tensor, what, tg)
     outs = _tensor_list(tensor_list, tg.size, "tensor_list", what, tg)
     _like(t, outs, "tensor_list", what, tg)
     one = t.reshape(1) if t.dim() == 0 else t  # a scalar is one row
@@ -174,18 +174,18 @@ def _reduce_scatter_into(out: torch.Tensor, tensor: torch.Tensor, op: ReduceOp, 
                          postscale: float, group: GroupBase | None, what: str,
                          inline: bool) -> Handle:
     tg = target(group, what)
-    t = _check_tensor(tensor, what, tg)
-    o = _check_tensor(out, what, tg, "out")
-    op = _check_op(t, op, what, tg)
-    _check_rows(t, what, tg)
-    kw = _scale_kwargs(t, prescale, postscale, what, tg)
+    t = _checks.check_tensor(tensor, what, tg)
+    o = _checks.check_tensor(out, what, tg, "out")
+    op = _checks.check_op(OpKind.REDUCE_SCATTER, t, op, what, tg)
+    _checks.check_rows(t, what, tg)
+    kw = _checks.scale_kwargs(OpKind.REDUCE_SCATTER, t, prescale, postscale, what, tg)
     first, n = rows_of(t.shape[0], tg.size, tg.rank)
     want = (n, *t.shape[1:])
     if o.dtype != t.dtype or tuple(o.shape) != want:
         raise ValueError(f"{tg.where(what)}: out is {describe(o)}, expected {dtype_name(t.dtype)}{list(want)}: "
                          f"this rank's rows [{first}, {first + n}) of tensor {describe(t)} split over "
                          f"{tg.size} ranks (the first {t.shape[0] % tg.size} get one row more)")
-    if not t.is_cuda and not o.is_cuda and not _overlap(o, t):
+    if not t.is_cuda and not o.is_cuda and not _checks.overlap(o, t):
         return Handle(_submit(OpKind.REDUCE_SCATTER, t, op, -1, inline, what, tg, out=o, **kw),
                       lambda _: o)
     work = _submit(OpKind.REDUCE_SCATTER, _host(t), op, -1, inline, what, tg, **kw)
@@ -221,11 +221,11 @@ def by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
 def _allreduce_many(tensors: Any, op: ReduceOp, prescale: float, postscale: float,
                     group: GroupBase | None, what: str, inline: bool) -> Handle:
     tg = target(group, what)
-    ts = [_check_tensor(x, what, tg, f"tensors[{i}]")
+    ts = [_checks.check_tensor(x, what, tg, f"tensors[{i}]")
           for i, x in enumerate(_tensor_list(tensors, None, "tensors", what, tg))]
     seen: dict[tuple[torch.device, int], int] = {}
     for i, t in enumerate(ts):
-        _check_op(t, op, what, tg)
+        _checks.check_op(OpKind.ALLREDUCE_MANY, t, op, what, tg)
         if t.numel():
             j = seen.setdefault((t.device, t.data_ptr()), i)
             if j != i:
@@ -233,7 +233,7 @@ def _allreduce_many(tensors: Any, op: ReduceOp, prescale: float, postscale: floa
                                  f"memory ({describe(t)}); pass each tensor once")
     works, copies = [], []
     for idx in by_dtype(ts):
-        kw = _scale_kwargs(ts[idx[0]], prescale, postscale, what, tg)
+        kw = _checks.scale_kwargs(OpKind.ALLREDUCE_MANY, ts[idx[0]], prescale, postscale, what, tg)
         hosts = [_host(ts[i]) for i in idx]
         copies += [(ts[i], h) for i, h in zip(idx, hosts) if h is not ts[i]]
         works.append(_submit(OpKind.ALLREDUCE_MANY, None, op, -1, inline, what, tg, tensors=hosts, **kw))

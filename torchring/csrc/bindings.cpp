@@ -195,6 +195,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("REDUCE_OPS") = reduceOps;
   m.attr("OP_KINDS") = opKinds;
   m.attr("DTYPES") = dtypes;
+  py::dict opSpecs;  // each kind's OpSpec row (core/common.h) by OP_KINDS' names; torchring._types checks it too
+  for (int i = 0; i < torchring::kNumOpKinds; ++i) {
+    const torchring::OpSpec& s = torchring::opSpec(static_cast<OpKind>(i));
+    opSpecs[py::str(s.name).attr("upper")()] = py::dict(
+        py::arg("reduces") = s.reduces, py::arg("rooted") = s.rooted, py::arg("scalable") = s.scalable,
+        py::arg("in_place") = s.inPlace, py::arg("nccl") = s.nccl, py::arg("ragged") = s.ragged);
+  }
+  m.attr("OP_SPECS") = opSpecs;
   m.def("reduce_tensors", &reduceTensors, py::arg("dst"), py::arg("srcs"), py::arg("op"),
         py::arg("scale") = 1.0, "Test-only: dst = srcs[0] op srcs[1] ... with the engine's kernels.");
 

@@ -38,11 +38,17 @@ import torch
 
 from .._core import log as _log
 from .._core.errors import WaitTimeoutError
+from .._core.types import OpKind
 from . import timeline
 
 __all__ = ["Done", "Request", "Entry", "Negotiator", "validate", "register_joined_starter"]
 
-_NO_JOINED = ("allgather", "broadcast", "alltoall")  # kinds a joined rank cannot take part in
+# Horovod's request kinds as the engine's OpKinds (barrier and join compare nothing); their
+# OpSpec rows say what the ranks must agree on. A joined rank supplies zeros, which only a
+# reduction can take.
+_KINDS = {"allreduce": OpKind.ALLREDUCE, "allgather": OpKind.ALLGATHER, "broadcast": OpKind.BROADCAST,
+          "alltoall": OpKind.ALLTOALL, "reducescatter": OpKind.REDUCE_SCATTER}
+_NO_JOINED = tuple(name for name, kind in _KINDS.items() if not kind.reduces)  # no joined rank then
 _SLOT = 4096  # bytes each rank sends in a round's first allgather; more goes in a second one
 
 
@@ -104,7 +110,8 @@ def _differ(requests: dict[int, Request], what: str, get: Callable[[Request], An
 def validate(requests: dict[int, Request], joined: frozenset[int]) -> str | None:
     """Why the ranks' `requests` for one name cannot run together, or None when they can."""
     kind = next(iter(requests.values())).kind
-    if kind in ("barrier", "join"):
+    op_kind = _KINDS.get(kind)
+    if op_kind is None:  # barrier, join
         return None
     if joined and kind in _NO_JOINED:
         return (f"rank(s) {sorted(joined)} called hvd.join() and supply no data; {kind} cannot run "
@@ -112,16 +119,16 @@ def validate(requests: dict[int, Request], joined: frozenset[int]) -> str | None
     checks: list[tuple[str, Callable[[Request], Any]]] = [
         ("dtype", lambda q: q.dtype), ("device", lambda q: q.device),
         ("number of tensors", lambda q: len(q.shapes))]
-    if kind in ("allgather", "alltoall"):
+    if op_kind.ragged:
         checks.append(("number of dimensions", lambda q: [len(s) for s in q.shapes]))
         checks.append(("shape after the first dimension", lambda q: [list(s[1:]) for s in q.shapes]))
     else:
         checks.append(("shape", lambda q: list(q.shapes[0]) if len(q.shapes) == 1 else
                        [list(s) for s in q.shapes]))
-    if kind in ("allreduce", "reducescatter"):
+    if op_kind.reduces:
         checks += [("reduction op", lambda q: q.op), ("prescale_factor", lambda q: q.prescale),
                    ("postscale_factor", lambda q: q.postscale)]
-    if kind == "broadcast":
+    if op_kind.rooted:
         checks.append(("root rank", lambda q: q.root))
     for what, get in checks:
         why = _differ(requests, what, get)

@@ -21,7 +21,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .. import cuda
-from .._core.types import DTYPES
+from .._core.types import dtype_name
+from ..collectives._checks import dtype_advice
 from . import handles
 from .basics import Average, Sum, to_reduce_op
 from .compression import Compression
@@ -55,9 +56,9 @@ def check_tensor(t: Any, what: str, in_place: bool = False) -> torch.Tensor:
     if t.is_sparse:
         raise ValueError(f"hvd.{what}: sparse tensors go through hvd.sparse_allreduce_async (or "
                          "DistributedOptimizer(sparse_as_dense=True))")
-    if t.dtype not in DTYPES:
-        raise ValueError(f"hvd.{what}: tensor dtype {t.dtype} is not supported; use one of "
-                         f"{', '.join(str(d).removeprefix('torch.') for d in DTYPES)}")
+    advice = dtype_advice(t.dtype)  # the rule torchring's collectives apply, in Horovod's words
+    if advice:
+        raise ValueError(f"hvd.{what}: tensor dtype {dtype_name(t.dtype)} is not supported; {advice}")
     if in_place and not t.is_contiguous():
         raise ValueError(f"hvd.{what}: the tensor is required to be contiguous (it is written in place)")
     return t

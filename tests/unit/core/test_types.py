@@ -17,10 +17,22 @@ ENGINE_OP_KINDS = {"ALLREDUCE": 0, "BROADCAST": 1, "ALLGATHER": 2, "REDUCE_SCATT
 ENGINE_REDUCE_OPS = {"SUM": 0, "AVG": 1, "MIN": 2, "MAX": 3, "PRODUCT": 4}
 ENGINE_DTYPES = ["float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64", "bool",
                  "int16"]
+# The engine's OpSpec rows (csrc/core/common.cpp), as bindings.cpp publishes them.
+_FIELDS = ("reduces", "rooted", "scalable", "in_place", "nccl", "ragged")
+_KINDS_WITH = {
+    "reduces": {"ALLREDUCE", "REDUCE_SCATTER", "REDUCE", "ALLREDUCE_MANY"},
+    "rooted": {"BROADCAST", "REDUCE", "GATHER", "SCATTER"},
+    "scalable": {"ALLREDUCE", "REDUCE_SCATTER", "ALLREDUCE_MANY"},
+    "in_place": {"ALLREDUCE", "BROADCAST", "REDUCE", "SCATTER", "ALLREDUCE_MANY", "RECV"},
+    "nccl": {"ALLREDUCE", "BROADCAST", "ALLGATHER", "REDUCE_SCATTER"},
+    "ragged": {"ALLGATHER", "ALLTOALL"},
+}
+ENGINE_OP_SPECS = {k: {f: k in _KINDS_WITH[f] for f in _FIELDS} for k in ENGINE_OP_KINDS}
 
 
 def _engine(**attrs: object) -> SimpleNamespace:
-    full = dict(REDUCE_OPS=ENGINE_REDUCE_OPS, OP_KINDS=ENGINE_OP_KINDS, DTYPES=ENGINE_DTYPES)
+    full = dict(REDUCE_OPS=ENGINE_REDUCE_OPS, OP_KINDS=ENGINE_OP_KINDS, OP_SPECS=ENGINE_OP_SPECS,
+                DTYPES=ENGINE_DTYPES)
     full.update(attrs)
     return SimpleNamespace(**{k: v for k, v in full.items() if v is not None})
 
@@ -46,6 +58,8 @@ def test_an_older_engine_without_the_attributes_is_not_checked() -> None:
     ("REDUCE_OPS", {**ENGINE_REDUCE_OPS, "BAND": 5}),
     ("OP_KINDS", {k: v for k, v in ENGINE_OP_KINDS.items() if k != "BARRIER"}),
     ("OP_KINDS", {**ENGINE_OP_KINDS, "ALLGATHER": 3, "REDUCE_SCATTER": 2}),
+    ("OP_SPECS", {**ENGINE_OP_SPECS, "ALLTOALL": {**ENGINE_OP_SPECS["ALLTOALL"], "nccl": True}}),
+    ("OP_SPECS", {k: {f: v for f, v in row.items() if f != "ragged"} for k, row in ENGINE_OP_SPECS.items()}),
     ("DTYPES", ENGINE_DTYPES[:-1]),
     ("DTYPES", ["float64", "float32", *ENGINE_DTYPES[2:]]),
 ])
@@ -53,6 +67,26 @@ def test_any_difference_fails_the_load(attr: str, theirs: object) -> None:
     with pytest.raises(ImportError) as caught:
         _types.check_engine(_engine(**{attr: theirs}))
     assert attr in str(caught.value) and "rebuild" in str(caught.value)
+
+
+@pytest.mark.parametrize("field", _FIELDS)
+def test_op_kind_properties_read_the_table(field: str) -> None:
+    assert {k.name for k in _types.OpKind if getattr(k, field)} == _KINDS_WITH[field]
+
+
+@pytest.mark.parametrize("kind,dtype,op,scaled,refusal", [
+    (_types.OpKind.ALLREDUCE, torch.bool, _types.ReduceOp.SUM, False, "bool"),
+    (_types.OpKind.REDUCE, torch.bool, _types.ReduceOp.AVG, False, "bool"),  # bool's rule first
+    (_types.OpKind.ALLREDUCE, torch.bool, _types.ReduceOp.MAX, False, None),
+    (_types.OpKind.REDUCE_SCATTER, torch.int64, _types.ReduceOp.AVG, False, "avg"),
+    (_types.OpKind.ALLREDUCE_MANY, torch.bfloat16, _types.ReduceOp.AVG, False, None),
+    (_types.OpKind.ALLREDUCE, torch.int32, _types.ReduceOp.SUM, True, "scale"),
+    (_types.OpKind.ALLREDUCE, torch.bool, None, True, "scale"),  # op None: only the factors' rule
+    (_types.OpKind.ALLREDUCE, torch.float16, _types.ReduceOp.PRODUCT, True, None),
+    (_types.OpKind.BROADCAST, torch.bool, _types.ReduceOp.AVG, True, None),  # no reduction, no rule
+])
+def test_reduction_refusal_names_the_broken_rule(kind, dtype, op, scaled, refusal) -> None:
+    assert _types.reduction_refusal(kind, dtype, op, scaled) == refusal
 
 
 def test_handle_waits_once_and_reports_the_engine_sequence_number() -> None:

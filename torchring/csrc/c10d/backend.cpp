@@ -75,8 +75,10 @@ std::pair<ReduceOp, double> C10dBackend::reduceOp(const c10d::ReduceOp& op, cons
     case c10d::ReduceOp::PREMUL_SUM: {
       auto* factor = dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
       TORCH_CHECK_VALUE(factor != nullptr, where(what), ": PREMUL_SUM without its factor");
-      TORCH_CHECK_VALUE(at::isFloatingType(like.scalar_type()), where(what),
-                        ": PREMUL_SUM needs a floating-point tensor, got ", like.scalar_type());
+      DType dtype;  // the dtype x op rule of common.h: factors need a floating dtype
+      TORCH_CHECK_VALUE(engineDType(like.scalar_type(), &dtype) &&
+                            reductionRefusal(OpKind::ALLREDUCE, dtype, ReduceOp::SUM, true) == Refusal::NONE,
+                        where(what), ": PREMUL_SUM needs a floating-point tensor, got ", like.scalar_type());
       double f = factor->tensor_factor.defined() ? factor->tensor_factor.item<double>() : factor->double_factor;
       return {ReduceOp::SUM, f};
     }

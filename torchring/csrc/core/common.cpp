@@ -49,12 +49,58 @@ const char* opName(ReduceOp op) {
   return i < 5 ? kNames[i] : "unknown-op";
 }
 
-const char* kindName(OpKind kind) {
-  static const char* kNames[] = {"allreduce", "broadcast",     "allgather", "reduce_scatter",
-                                 "barrier",   "reduce",        "gather",    "scatter",
-                                 "alltoall",  "allreduce_many", "send",     "recv"};
+// One row per OpKind, in its order.
+static const OpSpec kOpSpecs[] = {
+    // name             reduces rooted scalable inPlace nccl   ragged
+    {"allreduce",       true,   false, true,    true,   true,  false},
+    {"broadcast",       false,  true,  false,   true,   true,  false},
+    {"allgather",       false,  false, false,   false,  true,  true},
+    {"reduce_scatter",  true,   false, true,    false,  true,  false},
+    {"barrier",         false,  false, false,   false,  false, false},
+    {"reduce",          true,   true,  false,   true,   false, false},
+    {"gather",          false,  true,  false,   false,  false, false},
+    {"scatter",         false,  true,  false,   true,   false, false},
+    {"alltoall",        false,  false, false,   false,  false, true},
+    {"allreduce_many",  true,   false, true,    true,   false, false},
+    {"send",            false,  false, false,   false,  false, false},
+    {"recv",            false,  false, false,   true,   false, false},
+};
+static_assert(sizeof(kOpSpecs) / sizeof(kOpSpecs[0]) == kNumOpKinds, "one OpSpec row per OpKind");
+
+const OpSpec& opSpec(OpKind kind) {
+  static const OpSpec kUnknown{"unknown-collective", false, false, false, false, false, false};
   auto i = static_cast<size_t>(kind);
-  return i < static_cast<size_t>(kNumOpKinds) ? kNames[i] : "unknown-collective";
+  return i < static_cast<size_t>(kNumOpKinds) ? kOpSpecs[i] : kUnknown;
+}
+
+const char* kindName(OpKind kind) { return opSpec(kind).name; }
+
+bool isFloating(DType dtype) {
+  return dtype == DType::F32 || dtype == DType::F64 || dtype == DType::F16 || dtype == DType::BF16;
+}
+
+Refusal reductionRefusal(OpKind kind, DType dtype, ReduceOp op, bool scaled) {
+  if (!opSpec(kind).reduces) return Refusal::NONE;
+  if (dtype == DType::BOOL && op != ReduceOp::MIN && op != ReduceOp::MAX) return Refusal::BOOL_OP;
+  if (op == ReduceOp::AVG && !isFloating(dtype)) return Refusal::AVG_INTEGER;
+  if (scaled && !isFloating(dtype)) return Refusal::SCALED_INTEGER;
+  return Refusal::NONE;
+}
+
+const char* refusalText(Refusal refusal) {
+  switch (refusal) {
+    case Refusal::NONE:
+      return "";
+    case Refusal::BOOL_OP:
+      return "bool tensors reduce with MIN and MAX only; convert to an integer dtype to sum or multiply";
+    case Refusal::AVG_INTEGER:
+      return "AVG needs a floating-point tensor (an integer average would be rounded); use SUM and divide, or "
+             "convert to float";
+    case Refusal::SCALED_INTEGER:
+      return "prescale and postscale factors need a floating-point tensor (an integer tensor would be rounded); "
+             "scale it yourself or convert it to float";
+  }
+  return "";
 }
 
 void OpHeader::setShape(const int64_t* sizes, int n) {
@@ -83,15 +129,11 @@ std::string OpHeader::describe() const {
   }
   out << "]";
   if (k == OpKind::ALLREDUCE_MANY) out << " in " << rows << " tensors";
-  if (k == OpKind::ALLREDUCE || k == OpKind::REDUCE_SCATTER || k == OpKind::REDUCE ||
-      k == OpKind::ALLREDUCE_MANY) {
-    out << " " << opName(static_cast<ReduceOp>(op));
-  }
+  const OpSpec& spec = opSpec(k);
+  if (spec.reduces) out << " " << opName(static_cast<ReduceOp>(op));
   if (prescale != 1.0) out << " prescale=" << prescale;
   if (postscale != 1.0) out << " postscale=" << postscale;
-  if (k == OpKind::BROADCAST || k == OpKind::REDUCE || k == OpKind::GATHER || k == OpKind::SCATTER) {
-    out << " root=" << root;
-  }
+  if (spec.rooted) out << " root=" << root;
   out << (onGpu ? " on CUDA" : "");
   return out.str();
 }
@@ -113,27 +155,23 @@ std::string OpHeader::what() const {
   return label() + " " + describe();
 }
 
+// What must agree is read off the kind's OpSpec row: the dtype always; the rows' shape of a
+// ragged kind (dim 0 may differ), else the count and the whole shape; the op of a reduction,
+// the root of a rooted kind, the factors of a scalable one. allreduce_many's header describes
+// its tensors by number and a hash of their shapes.
 bool OpHeader::matches(const OpHeader& o) const {
   if (kind != o.kind || seq != o.seq || onGpu != o.onGpu) return false;
-  switch (static_cast<OpKind>(kind)) {
-    case OpKind::BARRIER:
-      return true;
-    case OpKind::ALLGATHER:  // dim 0 may differ per rank; the rows' shape may not
-    case OpKind::ALLTOALL:
-      return dtype == o.dtype && rowElems == o.rowElems && sameShape(o, 1);
-    case OpKind::BROADCAST:
-    case OpKind::GATHER:
-    case OpKind::SCATTER:
-      return dtype == o.dtype && count == o.count && root == o.root && sameShape(o, 0);
-    case OpKind::REDUCE:
-      return dtype == o.dtype && count == o.count && op == o.op && root == o.root && sameShape(o, 0);
-    case OpKind::ALLREDUCE_MANY:
-      return dtype == o.dtype && count == o.count && op == o.op && rows == o.rows &&
-             shapesHash == o.shapesHash && prescale == o.prescale && postscale == o.postscale;
-    default:
-      return dtype == o.dtype && count == o.count && op == o.op && sameShape(o, 0) &&
-             prescale == o.prescale && postscale == o.postscale;
-  }
+  const auto k = static_cast<OpKind>(kind);
+  if (k == OpKind::BARRIER) return true;
+  const OpSpec& spec = opSpec(k);
+  if (dtype != o.dtype) return false;
+  if (spec.ragged) return rowElems == o.rowElems && sameShape(o, 1);
+  if (count != o.count) return false;
+  if (spec.reduces && op != o.op) return false;
+  if (spec.rooted && root != o.root) return false;
+  if (spec.scalable && (prescale != o.prescale || postscale != o.postscale)) return false;
+  if (k == OpKind::ALLREDUCE_MANY) return rows == o.rows && shapesHash == o.shapesHash;
+  return sameShape(o, 0);
 }
 
 namespace {

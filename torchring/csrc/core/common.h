@@ -61,6 +61,35 @@ size_t elementSize(DType dtype);
 const char* dtypeName(DType dtype);
 const char* opName(ReduceOp op);
 const char* kindName(OpKind kind);
+bool isFloating(DType dtype);
+
+// What a kind of collective is: one row per OpKind (kOpSpecs, common.cpp), read by the checks
+// (Communicator::checkArgs, plainAllreduceArgs, the c10d backend), the header comparison
+// (OpHeader::matches) and the messages. Python reads the same rows (bindings.cpp publishes
+// them as OP_SPECS; torchring/_core/types.py's OpKind, compared when the engine loads).
+struct OpSpec {
+  const char* name;  // how messages and the header name the kind: "allreduce"
+  bool reduces;      // combines the ranks' values with a ReduceOp (the op is in the header)
+  bool rooted;       // has a root rank (the root is in the header)
+  bool scalable;     // takes prescale and postscale factors (in the header)
+  bool inPlace;      // its result is written into its input tensor
+  bool nccl;         // the NCCL path can run it (the world's CUDA tensors)
+  bool ragged;       // dim 0 may differ per rank; the rows' shape may not (allgather, alltoall)
+};
+const OpSpec& opSpec(OpKind kind);
+
+// The dtype x op rule of every reduction (Python's torchring._core.types.reduction_refusal):
+// which rule a `kind` collective of `dtype`, reducing with `op` and `scaled` by factors other
+// than 1, breaks; NONE for a kind that does not reduce.
+enum class Refusal : uint8_t {
+  NONE,
+  BOOL_OP,         // bool reduces with MIN and MAX only
+  AVG_INTEGER,     // AVG needs a floating dtype
+  SCALED_INTEGER,  // so do prescale and postscale factors
+};
+Refusal reductionRefusal(OpKind kind, DType dtype, ReduceOp op, bool scaled);
+// Why, and what to do instead, in words that follow "<operation> of <tensor>: ".
+const char* refusalText(Refusal refusal);
 
 // What one rank says it is about to run. Every rank publishes its header for operation
 // number `seq` and checks all the others before any data moves, so a mismatch becomes an

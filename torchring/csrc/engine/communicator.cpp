@@ -9,22 +9,28 @@
 
 namespace torchring {
 
-DType toDType(at::ScalarType type) {
+bool engineDType(at::ScalarType type, DType* dtype) {
   switch (type) {
-    case at::kFloat: return DType::F32;
-    case at::kDouble: return DType::F64;
-    case at::kHalf: return DType::F16;
-    case at::kBFloat16: return DType::BF16;
-    case at::kChar: return DType::I8;
-    case at::kByte: return DType::U8;
-    case at::kInt: return DType::I32;
-    case at::kLong: return DType::I64;
-    case at::kShort: return DType::I16;
-    case at::kBool: return DType::BOOL;
-    default:
-      throw std::invalid_argument(std::string("torchring does not support dtype ") +
-                                  c10::toString(type));
+    case at::kFloat: *dtype = DType::F32; return true;
+    case at::kDouble: *dtype = DType::F64; return true;
+    case at::kHalf: *dtype = DType::F16; return true;
+    case at::kBFloat16: *dtype = DType::BF16; return true;
+    case at::kChar: *dtype = DType::I8; return true;
+    case at::kByte: *dtype = DType::U8; return true;
+    case at::kInt: *dtype = DType::I32; return true;
+    case at::kLong: *dtype = DType::I64; return true;
+    case at::kShort: *dtype = DType::I16; return true;
+    case at::kBool: *dtype = DType::BOOL; return true;
+    default: return false;
   }
+}
+
+DType toDType(at::ScalarType type) {
+  DType dtype;
+  if (!engineDType(type, &dtype)) {
+    throw std::invalid_argument(std::string("torchring does not support dtype ") + c10::toString(type));
+  }
+  return dtype;
 }
 
 std::string tensorText(const at::Tensor& tensor) {
@@ -280,7 +286,7 @@ OpHeader Communicator::makeHeader(OpKind kind, const at::Tensor& tensor, ReduceO
   header.dtype = static_cast<uint8_t>(toDType(tensor.scalar_type()));
   header.count = static_cast<uint64_t>(tensor.numel());
   header.setShape(tensor.sizes().data(), static_cast<int>(tensor.dim()));
-  if (kind == OpKind::ALLGATHER || kind == OpKind::ALLTOALL) {
+  if (opSpec(kind).ragged) {  // allgather, alltoall: the rows may differ, their shape may not
     header.rows = tensor.dim() > 0 ? static_cast<uint64_t>(tensor.size(0)) : 1;
     header.rowElems = 1;
     for (int d = 1; d < tensor.dim(); ++d) header.rowElems *= static_cast<uint64_t>(tensor.size(d));
@@ -302,21 +308,13 @@ std::shared_ptr<CpuWork> Communicator::submit(OpKind kind, at::Tensor tensor, Re
   return enqueue(std::move(item), runInline);
 }
 
-// The Python checks of allreduce (collectives.py _check_tensor, _check_op), in C++.
+// The Python checks of allreduce (collectives/_checks.py check_tensor, check_op), in C++.
 static bool plainAllreduceArgs(const at::Tensor& t, int op) {
   if (!t.defined() || t.layout() != at::kStrided || !t.device().is_cpu() || !t.is_contiguous()) return false;
   if (op < 0 || op >= kNumReduceOps) return false;
-  const auto rop = static_cast<ReduceOp>(op);
-  switch (t.scalar_type()) {
-    case at::kFloat: case at::kDouble: case at::kHalf: case at::kBFloat16:
-      return true;
-    case at::kChar: case at::kByte: case at::kInt: case at::kLong: case at::kShort:
-      return rop != ReduceOp::AVG;
-    case at::kBool:
-      return rop == ReduceOp::MIN || rop == ReduceOp::MAX;
-    default:
-      return false;
-  }
+  DType dtype;
+  return engineDType(t.scalar_type(), &dtype) &&
+         reductionRefusal(OpKind::ALLREDUCE, dtype, static_cast<ReduceOp>(op), false) == Refusal::NONE;
 }
 
 bool Communicator::allreduceNow(const at::Tensor& tensor, int op) {

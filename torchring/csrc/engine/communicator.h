@@ -188,6 +188,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   std::thread worker_;
 };
 
+// The engine's DType of a torch dtype: false for one the engine does not move.
+bool engineDType(at::ScalarType type, DType* dtype);
+// The same, throwing std::invalid_argument for a dtype the engine does not move.
 DType toDType(at::ScalarType type);
 // "float32[10, 4]": a tensor as messages name it (Python's torchring._core.types.describe).
 std::string tensorText(const at::Tensor& tensor);

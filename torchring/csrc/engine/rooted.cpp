@@ -28,10 +28,6 @@ namespace {
 
 int64_t internalTag(uint64_t seq) { return -1 - static_cast<int64_t>(seq & 0x3fffffffffffffffull); }
 
-bool isFloating(at::ScalarType type) {
-  return type == at::kFloat || type == at::kDouble || type == at::kHalf || type == at::kBFloat16;
-}
-
 }  // namespace
 
 void Communicator::waitAll(const std::vector<std::shared_ptr<CpuWork>>& works) {
@@ -57,27 +53,17 @@ void Communicator::checkArgs(OpKind kind, const at::Tensor& tensor, ReduceOp op,
     TORCH_CHECK_VALUE(!tensor.defined() || (tensor.device().is_cpu() && tensor.is_contiguous()), what(),
                       " needs a contiguous CPU tensor, got ", tensorText(tensor), " on ", tensor.device());
   }
-  const bool reducing = kind == OpKind::ALLREDUCE || kind == OpKind::REDUCE || kind == OpKind::REDUCE_SCATTER ||
-                        kind == OpKind::ALLREDUCE_MANY;
-  if (reducing && op == ReduceOp::AVG) {
-    const at::Tensor& t = kind == OpKind::ALLREDUCE_MANY ? args.tensors[0] : tensor;
-    TORCH_CHECK_VALUE(isFloating(t.scalar_type()), what(), " of ", tensorText(t),
-                      ": AVG needs a floating-point tensor (an integer average would be rounded); "
-                      "use SUM and divide, or convert to float");
-  }
-  const bool rooted = kind == OpKind::BROADCAST || kind == OpKind::REDUCE || kind == OpKind::GATHER ||
-                      kind == OpKind::SCATTER;
-  TORCH_CHECK_VALUE(!rooted || (root >= 0 && root < opt_.size), what(), ": the root must be a rank in [0, ", opt_.size,
-                    "), got ", root);
+  const OpSpec& spec = opSpec(kind);
+  TORCH_CHECK_VALUE(!spec.rooted || (root >= 0 && root < opt_.size), what(), ": the root must be a rank in [0, ",
+                    opt_.size, "), got ", root);
   TORCH_CHECK_VALUE(std::isfinite(args.prescale) && std::isfinite(args.postscale), what(),
                     ": prescale and postscale must be finite, got ", args.prescale, " and ", args.postscale);
-  if (args.prescale != 1.0 || args.postscale != 1.0) {
+  const bool scaled = args.prescale != 1.0 || args.postscale != 1.0;
+  TORCH_CHECK_VALUE(!scaled || spec.scalable, what(), " takes no prescale or postscale factor");
+  if (spec.reduces) {  // the dtype x op rule (common.h)
     const at::Tensor& t = kind == OpKind::ALLREDUCE_MANY ? args.tensors[0] : tensor;
-    TORCH_CHECK_VALUE(kind == OpKind::ALLREDUCE || kind == OpKind::REDUCE_SCATTER || kind == OpKind::ALLREDUCE_MANY,
-                      what(), " takes no prescale or postscale factor");
-    TORCH_CHECK_VALUE(isFloating(t.scalar_type()), what(), " of ", tensorText(t),
-                      ": prescale and postscale factors need a floating-point tensor (an integer tensor "
-                      "would be rounded); scale it yourself or convert it to float");
+    const Refusal refusal = reductionRefusal(kind, toDType(t.scalar_type()), op, scaled);
+    TORCH_CHECK_VALUE(refusal == Refusal::NONE, what(), " of ", tensorText(t), ": ", refusalText(refusal));
   }
   if (kind == OpKind::REDUCE_SCATTER) {
     TORCH_CHECK_VALUE(tensor.dim() > 0, what(), " of ", tensorText(tensor), ": the tensor needs a dim 0 to split");
