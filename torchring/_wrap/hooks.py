@@ -9,10 +9,10 @@ is torch's final callback on that graph task, which never runs when the backward
 
 The kit holds:
 - the hooks: one per parameter given (to the kit, then to ``attach``), each holding a weak
-  reference to the kit,
-  which holds the driver weakly too (torch keeps parameter hooks where the garbage collector
-  cannot see them, so a strong one would keep a dropped driver and its buckets alive); a
-  finalizer removes them when the kit is collected, ``attach`` when it hooks a new list;
+  reference to the kit, which holds the driver weakly too (torch keeps parameter hooks where
+  the garbage collector cannot see them, so a strong one would keep a dropped driver and its
+  buckets alive); a finalizer removes them when the kit is collected, ``attach`` when it hooks
+  a new list;
 - the one lock (``LOCK``): autograd runs a model's CUDA part on a device thread and its CPU
   part on the caller's, so hooks can fire on two threads at once; every ``on_ready`` runs under
   it, and a driver holds it around the Reducer's other calls;
