@@ -27,6 +27,7 @@ counts; the optimizer state of a rank that joined early is not updated by the st
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -37,7 +38,7 @@ from ..collectives import basic as collectives
 from .._core.errors import TorchringError
 from .._core.types import ReduceOp
 
-__all__ = ["Join", "Round"]
+__all__ = ["Join", "Joinable", "Round", "active_join"]
 
 
 @dataclass(frozen=True)
@@ -57,9 +58,20 @@ class Round:
 class Joinable(Protocol):
     """What a joined rank needs from the model it answers for (model.py's DistributedModel)."""
 
-    def _join_shadow(self, step: Round) -> None: ...
+    def join_shadow(self, step: Round) -> None:
+        """A joined rank's part in one step of the active ranks (the buffers, a sync with zeros)."""
 
-    def _join_final(self, src: int) -> None: ...
+    def join_adopt_state(self, src: int) -> None:
+        """After the last round: takes rank `src`'s parameters (and broadcast buffers)."""
+
+
+# The Join inside whose with-body each model is now (a model asks at every synchronized forward).
+_active: weakref.WeakKeyDictionary[Joinable, Join] = weakref.WeakKeyDictionary()
+
+
+def active_join(model: Joinable) -> Join | None:
+    """The Join whose context `model` is in now (its forwards start with a round), or None."""
+    return _active.get(model)
 
 
 def _round(rank: int, world: int, active: bool, buffers: bool = False, retrain: bool = False) -> Round:
@@ -84,10 +96,10 @@ class Join:
 
     def __enter__(self) -> "Join":
         if self._enable:
-            if getattr(self._model, "_join", None) is not None:
+            if self._model in _active:
                 raise RuntimeError(f"rank {self._rank}: torchring.wrap: model.join() is already "
                                    "active for this model; do not nest join contexts")
-            self._model._join = self  # type: ignore[attr-defined]
+            _active[self._model] = self
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
@@ -97,7 +109,7 @@ class Join:
             if exc_type is None:  # a body that raised leaves at once, like DDP's
                 self._answer_until_all_joined()
         finally:
-            self._model._join = None  # type: ignore[attr-defined]
+            _active.pop(self._model, None)
         return False
 
     def begin_step(self, buffers: bool, retrain: bool) -> Round:
@@ -131,9 +143,9 @@ class Join:
             last = False
             if self._throw or step.retrain:
                 self._refuse_uneven(step)
-            self._model._join_shadow(step)
+            self._model.join_shadow(step)
             self.shadowed += 1
         # Every rank that joined in the final round did every step: the highest one is the source.
         src = torch.tensor([self._rank if last else -1], dtype=torch.int64)
         collectives.allreduce(src, ReduceOp.MAX)
-        self._model._join_final(int(src))
+        self._model.join_adopt_state(int(src))

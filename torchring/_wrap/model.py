@@ -20,16 +20,15 @@ wrapper (no_sync ones too), large CPU allocations of that backward, the fresh gr
 them, come from torchring's gradient pool (memory.py): memory kept between steps, so no page
 is faulted in.
 
-This module is the torch integration: forward arming, the output sink, the parameter hooks,
-autograd callbacks, gradient-pool scoping, the cross-rank consistency check and buffer
-broadcasts. The bucket layout and each sync's state machine live in the Reducer.
+This module is the wrapper: forward arming, the output sink, the cross-rank consistency check
+and buffer broadcasts. The parameter hooks, their lock, the gradient pool's scope and the
+queued end-of-backward callback are the kit in hooks.py; the bucket layout and each sync's
+state machine live in the Reducer.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
-import weakref
 from typing import Any, Iterator
 
 import torch
@@ -39,20 +38,17 @@ from torch.utils import _pytree
 
 from .._core import context as _context, gpu_path as _gpu_path
 from ..collectives import basic as collectives
-from ..collectives._checks import dtype_advice
-from . import memory
 from .._core.errors import TorchringError
 from .._core.types import describe, dtype_name
-from .join import Join, Round
-from .reducer import Reducer
+from ..collectives._checks import dtype_advice
+from .hooks import LOCK, GradHooks
+from .join import Join, Round, active_join
+from .reducer import BUCKET_CAP_BYTES, FIRST_BUCKET_CAP_BYTES, Reducer
 
 __all__ = ["DistributedModel", "wrap"]
 
 _MB = 1 << 20
-# Autograd runs a model's CUDA part on a device thread and its CPU part on the caller's: the
-# hooks of a mixed model can fire on two threads at once. One lock keeps bucket counts and the
-# launch order consistent (module-level, so a wrapped model stays deep-copyable).
-_HOOK_LOCK = threading.RLock()
+_CAP_MB, _FIRST_CAP_MB = BUCKET_CAP_BYTES // _MB, FIRST_BUCKET_CAP_BYTES // _MB
 _COMPRESSION = {None: None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -65,11 +61,57 @@ def _show_entry(entry: tuple | None) -> str:
     return f"'{name}' {described} strides {list(strides)}{frozen}"
 
 
+def _check_module(module: nn.Module, rank: int) -> None:
+    """Refuses what torchring cannot wrap: sparse embeddings, dtypes, lazy and misplaced parameters."""
+    where = f"rank {rank}: torchring.wrap"
+    for name, sub in module.named_modules():
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
+            raise ValueError(f"{where}: '{name}' has sparse=True; sparse gradients are not "
+                             "supported, construct it with sparse=False")
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        if advice := dtype_advice(t.dtype):  # the collectives' rule
+            raise TypeError(f"{where}: '{name}' has dtype {dtype_name(t.dtype)}, which torchring "
+                            f"cannot communicate; {advice}")
+    for name, p in module.named_parameters():
+        if isinstance(p, nn.parameter.UninitializedParameter):
+            raise ValueError(f"{where}: parameter '{name}' is uninitialized (lazy module); "
+                             "run one forward pass before wrapping")
+        if p.device.type == "cuda":
+            _gpu_path.check(p, f"{where}: parameter '{name}'")
+        elif p.device.type != "cpu":
+            raise ValueError(f"{where}: parameter '{name}' {describe(p)} is on {p.device}; "
+                             "torchring handles CPU and CUDA models")
+
+
+def _verify_and_broadcast(module: nn.Module, rank: int) -> None:
+    """Every rank checks every rank's parameter list, then takes rank 0's values."""
+    mine = [(n, describe(p), p.requires_grad, tuple(p.stride())) for n, p in module.named_parameters()]
+    mine += [("buffer " + n, describe(b), False, tuple(b.stride())) for n, b in module.named_buffers()]
+    everyone = collectives.allgather_object(mine)
+    reference = everyone[0]
+    for other, theirs in enumerate(everyone):
+        if theirs == reference:
+            continue
+        for i in range(max(len(theirs), len(reference))):
+            a = reference[i] if i < len(reference) else None
+            b = theirs[i] if i < len(theirs) else None
+            if a != b:
+                raise TorchringError(
+                    f"rank {rank}: torchring.wrap: the model differs between ranks: entry #{i} "
+                    f"is {_show_entry(a)} on rank 0 but {_show_entry(b)} on rank {other} (rank 0 has "
+                    f"{len(reference)} parameters and buffers, rank {other} has {len(theirs)}); "
+                    "every rank must build the same model, registering parameters in the same order")
+    with torch.no_grad():
+        _broadcast_coalesced([p.data for p in module.parameters()])
+        _broadcast_coalesced([b for b in module.buffers()])
+
+
 class DistributedModel(nn.Module):
     """A model whose gradients are averaged across ranks; made by ``torchring.wrap``."""
 
-    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, first_bucket_mb: float = 1,
-                 compression: str | None = None, broadcast_buffers: bool = True) -> None:
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = _CAP_MB,
+                 first_bucket_mb: float = _FIRST_CAP_MB, compression: str | None = None,
+                 broadcast_buffers: bool = True) -> None:
         super().__init__()
         if compression not in _COMPRESSION:
             raise ValueError(f"torchring.wrap: compression must be None, 'fp16' or 'bf16', "
@@ -80,173 +122,82 @@ class DistributedModel(nn.Module):
         self.module = module
         self.broadcast_buffers = broadcast_buffers
         self.require_backward_grad_sync = True
-        self._compression = _COMPRESSION[compression]
-        self._caps = (int(first_bucket_mb * _MB), int(bucket_cap_mb * _MB))
         self._rank = _context.rank()
-        self._check_module(module)
-        # Fresh CPU gradients come from memory kept between steps (no page faults); see
-        # memory.py. Before any collective, so a bad setting fails before the others wait.
-        cpu_grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters()
-                             if p.requires_grad and p.device.type == "cpu")
-        self._pool = cpu_grad_bytes > 0 and memory.reserve_grad_pool(self, cpu_grad_bytes)
-        self._pool_task = -1  # the backward (autograd graph task) whose allocations are pooled
-        self._verify_and_broadcast()
+        _check_module(module, self._rank)
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        params = [p for _, p in named]
+        # One hook per trainable parameter; fresh CPU gradients come from memory kept between
+        # steps (no page faults; memory.py). Before any collective, so a bad setting fails
+        # before the others wait.
+        self._hooks = GradHooks(self._on_ready, params)
+        _verify_and_broadcast(module, self._rank)
         self._armed = False
-        self._callback_queued = False
-        self._join: Join | None = None  # set inside `with model.join():` (join.py)
-        self._hooks: list[Any] = []  # one list, filled in place: the finalizer below holds it
-        weakref.finalize(self, _remove_hooks, self._hooks).atexit = False
-        self._reducer: Reducer
-        # bucket_stats() of the Reducer that re-bucketing replaced, until the new one finalized.
-        self._previous_stats: list[dict[str, Any]] | None = None
-        self._setup_buckets(rebuild_by_ready_order=False)
+        self._reducer = Reducer(params, [n for n, _ in named],
+                                first_bucket_cap_bytes=int(first_bucket_mb * _MB),
+                                bucket_cap_bytes=int(bucket_cap_mb * _MB),
+                                compression=_COMPRESSION[compression], rank=self._rank)
+        self._all_params, self._trainable = list(module.parameters()), {id(p) for p in params}
 
-    # ----------------------------------------------------------------- set-up
-    def _check_module(self, module: nn.Module) -> None:
-        where = f"rank {self._rank}: torchring.wrap"
-        for name, sub in module.named_modules():
-            if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
-                raise ValueError(f"{where}: '{name}' has sparse=True; sparse gradients are not "
-                                 "supported, construct it with sparse=False")
-        for name, t in list(module.named_parameters()) + list(module.named_buffers()):
-            if advice := dtype_advice(t.dtype):  # the collectives' rule
-                raise TypeError(f"{where}: '{name}' has dtype {dtype_name(t.dtype)}, which torchring "
-                                f"cannot communicate; {advice}")
-        for name, p in module.named_parameters():
-            if isinstance(p, nn.parameter.UninitializedParameter):
-                raise ValueError(f"{where}: parameter '{name}' is uninitialized (lazy module); "
-                                 "run one forward pass before wrapping")
-            if p.device.type == "cuda":
-                _gpu_path.check(p, f"{where}: parameter '{name}'")
-            elif p.device.type != "cpu":
-                raise ValueError(f"{where}: parameter '{name}' {describe(p)} is on {p.device}; "
-                                 "torchring handles CPU and CUDA models")
-
-    def _verify_and_broadcast(self) -> None:
-        """Every rank checks every rank's parameter list, then takes rank 0's values."""
-        mine = [(n, describe(p), p.requires_grad, tuple(p.stride()))
-                for n, p in self.module.named_parameters()]
-        mine += [("buffer " + n, describe(b), False, tuple(b.stride()))
-                 for n, b in self.module.named_buffers()]
-        everyone = collectives.allgather_object(mine)
-        reference = everyone[0]
-        for rank, theirs in enumerate(everyone):
-            if theirs == reference:
-                continue
-            for i in range(max(len(theirs), len(reference))):
-                a = reference[i] if i < len(reference) else None
-                b = theirs[i] if i < len(theirs) else None
-                if a != b:
-                    raise TorchringError(
-                        f"rank {self._rank}: torchring.wrap: the model differs between ranks: entry #{i} "
-                        f"is {_show_entry(a)} on rank 0 but {_show_entry(b)} on rank {rank} (rank 0 has "
-                        f"{len(reference)} parameters and buffers, rank {rank} has {len(theirs)}); "
-                        "every rank must build the same model, registering parameters in the same order")
-        with torch.no_grad():
-            _broadcast_coalesced([p.data for p in self.module.parameters()])
-            _broadcast_coalesced([b for b in self.module.buffers()])
-
-    def _setup_buckets(self, rebuild_by_ready_order: bool) -> None:
-        """A Reducer over the parameters trainable now (in reverse registration order), or,
-        with `rebuild_by_ready_order`, the current one re-laid in rank 0's first ready order
-        (once; a collective); then one hook per parameter."""
+    def _rebucket(self, learn_order: bool) -> None:
+        """Lays the Reducer out over the parameters trainable now: in reverse registration order,
+        learning the ready order again (`learn_order`), or in rank 0's first ready order (once;
+        a collective). Parameters frozen since wrap() leave the buckets."""
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         params, names = [p for _, p in named], [n for n, _ in named]
-        if rebuild_by_ready_order:  # parameters frozen since wrap() leave the buckets
-            self._reducer.rebuild_by_ready_order(params, names)
+        if learn_order:
+            self._reducer.rebuild((), params, names, learn_order=True)
         else:
-            if "_reducer" in self.__dict__ and self._previous_stats is None:
-                # Re-bucketing: bucket_stats() keeps the last sync's until the new one finalized.
-                self._previous_stats = self._reducer.bucket_stats()
-            self._reducer = Reducer(params, names, first_bucket_cap_bytes=self._caps[0],
-                                    bucket_cap_bytes=self._caps[1], compression=self._compression,
-                                    rank=self._rank)
-        _remove_hooks(self._hooks)
-        self._all_params = list(self.module.parameters())
-        self._hooks.extend(p.register_post_accumulate_grad_hook(self._make_hook(i))
-                           for i, p in enumerate(params))
-        self._trainable = {id(p) for p in params}
+            self._reducer.rebuild_by_ready_order(params, names)
+        self._hooks.attach(params)
+        self._all_params, self._trainable = list(self.module.parameters()), {id(p) for p in params}
 
     # ------------------------------------------------------------ public API
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the model; arms gradient synchronization when grad is enabled."""
         if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward
-            self._end_pool()  # a backward that failed never reached _finalize
-            if self._callback_queued or self._reducer.in_progress:
-                self._unfinished_backward()
+            if self._hooks.close_failed_backward() or self._reducer.in_progress:
+                self._recover_from_failed_backward()
         if torch.is_grad_enabled():
             sync = bool(self.require_backward_grad_sync)
             retrain = sync and any(p.requires_grad and id(p) not in self._trainable
                                    for p in self.module.parameters())
             buffers = sync and self.training and self.broadcast_buffers
             # Under join(), a round first: which ranks still have data (the lowest sends buffers).
-            src = self._join.begin_step(buffers, retrain).source if sync and self._join else 0
+            join = active_join(self) if sync else None
+            src = join.begin_step(buffers, retrain).source if join is not None else 0
             if retrain:
-                self._retrain_new_parameters()
+                self._rebucket_changed_trainables()
             if buffers:
                 with torch.no_grad():
                     _broadcast_coalesced(list(self.module.buffers()), src)
             self._armed = sync
         out = self.module(*args, **kwargs)
         if self._armed and torch.is_grad_enabled():
-            out = self._through_sink(out)
-        elif self._pool and torch.is_grad_enabled():
+            out = _through_sink(self, out)
+        elif self._hooks.pooled and torch.is_grad_enabled():
             self._pool_unarmed_backward(out)
         return out
 
     def _pool_unarmed_backward(self, out: Any) -> None:
-        """A no_sync backward also takes its fresh gradients from the pool: a hook on the first
-        output that needs a gradient (it fires first in backward) turns the pool on, and a
-        callback at the end of that backward turns it off. No output is cloned."""
+        """A no_sync backward is pooled from its start too: it is entered at the first output
+        that needs a gradient (its node runs first in backward). No output is cloned."""
         # A tensor with a grad_fn: a leaf (a parameter returned as is) would keep the hook.
         leaf = next((t for t in _pytree.tree_leaves(out)
                      if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
-        if leaf is None:
-            return
+        if leaf is not None:
+            self._hooks.enter_at_grad_of(leaf)
 
-        model = weakref.ref(self)  # the output may outlive the wrapper
-
-        def pool_on(grad: torch.Tensor) -> None:
-            wrapper = model()
-            if wrapper is not None:  # the next forward ends the task if this backward fails
-                wrapper._pool_task = memory.grad_pool_begin()
-                torch.autograd.Variable._execution_engine.queue_callback(wrapper._end_pool)
-        leaf.register_hook(pool_on)
-
-    def _unfinished_backward(self) -> None:
+    def _recover_from_failed_backward(self) -> None:
         """The last synchronized backward raised before its end-of-backward sync ran: waits for
         the buckets it launched, resets the per-backward state and raises, since ranks may now
         disagree on the next collective."""
         launched = self._reducer.recover()  # waits for what it launched: they write into buckets
-        self._callback_queued = False
         raise TorchringError(
             f"rank {self._rank}: torchring.wrap: the previous backward raised before its gradients "
             f"were averaged ({launched} of {self._reducer.num_buckets} buckets were launched), so the ranks "
             "may now disagree on which collective comes next. If every rank failed the same way, "
             "the next forward runs normally; otherwise call torchring.shutdown() and "
             "torchring.init() on every rank (or restart the job)")
-
-    def _end_pool(self) -> None:
-        if self._pool_task >= 0:
-            memory.grad_pool_end(self._pool_task)
-            self._pool_task = -1
-
-    def _through_sink(self, out: Any) -> Any:
-        """Routes the outputs through _Sink, whose backward runs first in the outermost
-        backward and queues the end-of-backward sync there (see _Sink)."""
-        leaves, spec = _pytree.tree_flatten(out)
-        slots = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not slots:
-            return out
-        passed = _Sink.apply(self, *[leaves[i] for i in slots])
-        for i, t in zip(slots, passed):
-            leaves[i] = t
-        return _pytree.tree_unflatten(leaves, spec)
-
-    def _queue_finalize(self) -> None:
-        if not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
 
     @contextlib.contextmanager
     def no_sync(self, enabled: bool = True) -> Iterator[None]:
@@ -268,18 +219,18 @@ class DistributedModel(nn.Module):
                 "counting as zeros; scale the learning rate if you need the other average")
         return Join(self, enable, throw_on_early_termination)
 
-    def _join_shadow(self, step: Round) -> None:
+    def join_shadow(self, step: Round) -> None:
         """A joined rank's part in one step of the active ranks (join.py): the buffer broadcast,
         a gradient sync with zeros, and the one-time bucket rebuild after the first sync."""
         if step.buffers:
             with torch.no_grad():
                 _broadcast_coalesced(list(self.module.buffers()), step.source)
-        with _HOOK_LOCK:
+        with LOCK:
             self._reducer.shadow()
         if not self._reducer.rebuilt:
-            self._setup_buckets(rebuild_by_ready_order=True)
+            self._rebucket(learn_order=False)
 
-    def _join_final(self, src: int) -> None:
+    def join_adopt_state(self, src: int) -> None:
         """After join(): every rank takes rank `src`'s parameters (and buffers if broadcast)."""
         with torch.no_grad():
             _broadcast_coalesced([p.data for p in self.module.parameters()], src)
@@ -288,8 +239,6 @@ class DistributedModel(nn.Module):
 
     def bucket_stats(self) -> list[dict[str, Any]]:
         """Per bucket of the last synchronized backward: bytes, params, launch lead and wait."""
-        if self._previous_stats is not None:  # re-bucketed since; no sync finished yet
-            return [dict(s) for s in self._previous_stats]
         return self._reducer.bucket_stats()
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
@@ -307,33 +256,22 @@ class DistributedModel(nn.Module):
             return getattr(self._modules["module"], name)
 
     # --------------------------------------------------------------- backward
-    def _make_hook(self, i: int):
-        # A weak reference: torch keeps parameter hooks where the garbage collector cannot
-        # see them, so a strong one would keep a dropped wrapper (and its buckets) alive.
-        model = weakref.ref(self)
+    def _on_ready(self, i: int) -> None:
+        """Parameter i's hook (under the kit's lock): hands its gradient to the Reducer."""
+        if self._armed:
+            self._reducer.mark_ready(i)
+            # Usually queued by _Sink already (outputs that did not pass it).
+            self._hooks.queue_finalize(self._on_backward_end)
 
-        def hook(p: torch.Tensor) -> None:
-            wrapper = model()
-            if wrapper is not None and wrapper._armed:
-                with _HOOK_LOCK:
-                    wrapper._reducer.mark_ready(i)
-                    if not wrapper._callback_queued:  # usually queued by _Sink already (outputs
-                        wrapper._queue_finalize()     # that did not pass it)
-        return hook
-
-    def _finalize(self) -> None:
-        try:
-            with _HOOK_LOCK:
-                self._reducer.finalize()
-            self._previous_stats = None
-        finally:
-            # Also after a failure, so that a rebuilt communicator starts from a clean state.
-            self._callback_queued = False
-            self._end_pool()
+    def _on_backward_end(self) -> None:
+        """The end-of-backward callback: Reducer.finalize() under the kit's lock, then, after
+        the first sync, the one-time rebuild in rank 0's ready order (a collective)."""
+        with LOCK:
+            self._reducer.finalize()
         if not self._reducer.rebuilt:
-            self._setup_buckets(rebuild_by_ready_order=True)
+            self._rebucket(learn_order=False)
 
-    def _retrain_new_parameters(self) -> None:
+    def _rebucket_changed_trainables(self) -> None:
         """Parameters that became trainable, or were added, after wrap(): every rank checks the
         others train the same ones, then all re-bucket together."""
         names = [n for n, p in self.module.named_parameters() if p.requires_grad]
@@ -350,14 +288,15 @@ class DistributedModel(nn.Module):
         if added:  # new parameters (a replaced head): every rank starts from rank 0's values
             with torch.no_grad():
                 _broadcast_coalesced([p.data for p in added])
-        self._setup_buckets(rebuild_by_ready_order=False)
+        self._rebucket(learn_order=True)
 
 
 class _Sink(torch.autograd.Function):
     """Identity on the model's outputs. Its backward runs before any parameter's gradient
-    (it is the last node of forward) and inside the outermost backward, so the sync is queued
-    on that graph task: reentrant checkpointing, whose inner backwards fire parameter hooks
-    first, still gets one sync per backward. Outputs are cloned so callers may modify them."""
+    (it is the last node of forward) and inside the outermost backward, so that backward is
+    pooled from its start and the sync is queued on it: reentrant checkpointing, whose inner
+    backwards fire parameter hooks first, still gets one sync per backward. Outputs are cloned
+    so callers may modify them."""
 
     @staticmethod
     def forward(ctx: Any, model: DistributedModel, *tensors: torch.Tensor) -> Any:
@@ -366,17 +305,23 @@ class _Sink(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        ctx.model._queue_finalize()
-        if ctx.model._pool:  # until _finalize: the parameters' gradients come from the pool
-            ctx.model._pool_task = memory.grad_pool_begin()
+        hooks = ctx.model._hooks
+        hooks.enter_backward()  # first: the pool's end is queued before the sync's (hooks.py)
+        hooks.queue_finalize(ctx.model._on_backward_end)
         return (None, *grads)
 
 
-def _remove_hooks(hooks: list[Any]) -> None:
-    """Removes a wrapper's parameter hooks (on re-bucketing, and when it is collected)."""
-    for hook in hooks:
-        hook.remove()
-    hooks.clear()
+def _through_sink(model: DistributedModel, out: Any) -> Any:
+    """Routes `model`'s outputs through _Sink, whose backward runs first in the outermost
+    backward and queues the end-of-backward sync there (see _Sink)."""
+    leaves, spec = _pytree.tree_flatten(out)
+    slots = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not slots:
+        return out
+    passed = _Sink.apply(model, *[leaves[i] for i in slots])
+    for i, t in zip(slots, passed):
+        leaves[i] = t
+    return _pytree.tree_unflatten(leaves, spec)
 
 
 def _broadcast_coalesced(tensors: list[torch.Tensor], src: int = 0) -> None:
@@ -394,8 +339,13 @@ def _broadcast_coalesced(tensors: list[torch.Tensor], src: int = 0) -> None:
             offset += t.numel()
 
 
-def wrap(model: nn.Module, bucket_cap_mb: float = 25, first_bucket_mb: float = 1,
+def _require_init(what: str) -> None:
+    """Raises the not-initialized error naming torchring.<what>() before init() and after shutdown()."""
+    _context.communicator(what)  # for its check only: the engine itself is not needed here
+
+
+def wrap(model: nn.Module, bucket_cap_mb: float = _CAP_MB, first_bucket_mb: float = _FIRST_CAP_MB,
          compression: str | None = None, broadcast_buffers: bool = True) -> DistributedModel:
     """Makes `model` data-parallel: after backward() every rank holds the averaged gradients."""
-    _context.communicator("wrap")
+    _require_init("wrap")
     return DistributedModel(model, bucket_cap_mb, first_bucket_mb, compression, broadcast_buffers)

@@ -31,13 +31,16 @@ model.py; an optimizer that syncs in ``step()``):
 4. ``rebuild_by_ready_order()`` after a ``finalize()``, at the same point on every rank: the
    first time, every rank adopts the order in which rank 0's gradients became ready in its
    first sync (through ``agree_on_order``, rank 0's broadcast by default) and the buckets are
-   laid out again in that order; later calls return False at once.
+   laid out again in that order; later calls return False at once. ``rebuild(order, params,
+   names, learn_order=True)`` lays the buckets out over a new parameter list (parameters that
+   became trainable) and makes the next sync's ready order the one adopted again.
 5. ``recover()`` when a sync was abandoned (a backward raised between ``mark_ready`` and
    ``finalize``): waits for what was launched, resets, and returns how many buckets had been
    launched, so the driver can tell the user that ranks may now disagree on the next collective.
 
 Nothing here takes a lock: a driver whose ``mark_ready`` calls come from several threads (a
-model with CPU and CUDA parts) holds one around them and around ``finalize()``.
+model with CPU and CUDA parts) holds one around them and around ``finalize()`` (hooks.py's
+``LOCK``, which the drivers' parameter hooks run under).
 """
 
 from __future__ import annotations
@@ -52,7 +55,13 @@ from . import buckets
 from ..collectives import basic as collectives
 from .._core.types import ReduceOp
 
-__all__ = ["Reducer", "AllreduceAsync", "AgreeOnOrder", "Allocate"]
+__all__ = ["Reducer", "AllreduceAsync", "AgreeOnOrder", "Allocate", "FIRST_BUCKET_CAP_BYTES",
+           "BUCKET_CAP_BYTES"]
+
+# The bucket caps of torchring.wrap and hvd.DistributedOptimizer: a small first bucket, launched
+# early in backward, then DDP's 25 MiB.
+FIRST_BUCKET_CAP_BYTES = 1 << 20
+BUCKET_CAP_BYTES = 25 << 20
 
 # allreduce_async(tensor, op) -> a handle whose wait() returns once `tensor` holds the result.
 AllreduceAsync = Callable[[torch.Tensor, ReduceOp], Any]
@@ -71,7 +80,8 @@ class Reducer:
     """Buckets the gradients of `params` and averages them across ranks, one sync at a time."""
 
     def __init__(self, params: Sequence[torch.Tensor], names: Sequence[str], *,
-                 first_bucket_cap_bytes: int = 1 << 20, bucket_cap_bytes: int = 25 << 20,
+                 first_bucket_cap_bytes: int = FIRST_BUCKET_CAP_BYTES,
+                 bucket_cap_bytes: int = BUCKET_CAP_BYTES,
                  compression: torch.dtype | None = None,
                  allreduce_async: AllreduceAsync | None = None,
                  agree_on_order: AgreeOnOrder | None = None, allocate: Allocate | None = None,
@@ -119,15 +129,19 @@ class Reducer:
         self._reset()
 
     def rebuild(self, order: Sequence[str], params: Sequence[torch.Tensor] | None = None,
-                names: Sequence[str] | None = None) -> None:
+                names: Sequence[str] | None = None, *, learn_order: bool = False) -> None:
         """Lays the buckets out again, the parameters named in `order` first (between syncs);
-        with `params` and `names`, over that new list (the driver's indices change)."""
+        with `params` and `names`, over that new list (the driver's indices change); with
+        `learn_order`, rebuild_by_ready_order() applies again after the next sync. bucket_stats()
+        keeps the last finalized sync's until the next one is finalized."""
         if self.in_progress:
             raise RuntimeError(f"rank {self._rank}: {self._owner}: buckets cannot be rebuilt "
                                "during a sync; call finalize() or recover() first")
         if params is None:
             params, names = self._params, self._names
         self._assignment = None
+        if learn_order:
+            self._ready_order, self._rebuilt = [], False
         self._layout(list(params), list(names or []), first=order)
 
     def rebuild_by_ready_order(self, params: Sequence[torch.Tensor] | None = None,

@@ -26,7 +26,7 @@ rank or HOROVOD_ELASTIC is set):
 - after ``hvd.shutdown(); hvd.init()`` (elastic reset) the set's group is a new one: the
   Reducer is built again and the first-sync agreement runs again;
 - from the first hook of a backward to its end, large CPU allocations (fresh gradients) come
-  from torchring's gradient pool, as under torchring.wrap (memory.py);
+  from torchring's gradient pool, as under torchring.wrap (the rule is hooks.py's; memory.py);
 - on the global process set, ``hvd.join()`` works: each sync first submits a negotiated marker,
   and a rank that has joined takes part in the syncs it misses with zeros (``shadow()``,
   driven by the marker on its negotiation thread; see _join_sync.py).
@@ -37,36 +37,29 @@ never synchronized, as in Horovod.
 
 from __future__ import annotations
 
-import threading
-import weakref
 from typing import Any, Sequence
 
 import torch
 
 from .._core import context as _context
-from .._wrap import memory
 from .._core.errors import TorchringError
 from .._core.types import ReduceOp
 from .._wrap.buckets import assign
-from .._wrap.reducer import Reducer
+from .._wrap.hooks import LOCK, GradHooks
+from .._wrap.reducer import BUCKET_CAP_BYTES, FIRST_BUCKET_CAP_BYTES, Reducer
 from . import _join_sync, basics, knobs, timeline
 from .compression import wire_dtype
 
 __all__ = ["GradSync", "Transport", "bucket_caps", "group_assignment", "sparse_reduce"]
 
 _OWNER = "hvd.DistributedOptimizer"
-_FIRST_BUCKET_BYTES = 1 << 20   # torchring.wrap's defaults
-_BUCKET_BYTES = 25 << 20
-# Hooks of a model with CPU and CUDA parts fire on two threads; one lock orders them and the
-# sync (module-level, so that an optimizer stays deep-copyable).
-_LOCK = threading.RLock()
 
 
 def bucket_caps() -> tuple[int, int]:
     """(first bucket, later buckets) in bytes: torchring.wrap's 1 and 25 MiB, never above
     HOROVOD_FUSION_THRESHOLD (Horovod's ceiling on one fused message; 0 = one tensor each)."""
     limit = knobs.current().fusion_threshold_bytes
-    return min(limit, _FIRST_BUCKET_BYTES), min(limit, _BUCKET_BYTES)
+    return min(limit, FIRST_BUCKET_CAP_BYTES), min(limit, BUCKET_CAP_BYTES)
 
 
 def group_assignment(params: Sequence[torch.Tensor], groups: Any, first_cap: int,
@@ -156,6 +149,24 @@ class Transport:
         f = self.predivide  # Average: sum(x / f) * f / size
         return group.allreduce_async(tensor, ReduceOp.AVG, 1.0 / f, f)
 
+    def reducer(self, params: list[torch.Tensor], names: list[str], groups: Any, rank: int) -> Reducer:
+        """A Reducer over `params` that launches on this transport (bucket_caps(); Horovod's
+        `groups`, when given, fix the buckets)."""
+        first, cap = bucket_caps()
+        fixed = group_assignment(params, groups, first, cap) if groups is not None else None
+        return Reducer(params, names, first_bucket_cap_bytes=first, bucket_cap_bytes=cap,
+                       compression=self.wire, allreduce_async=self, agree_on_order=self.agreed_order,
+                       rank=rank, owner=_OWNER, assignment=fixed)
+
+    def current_group(self, rank: int) -> Any:
+        """The process set's group now; ValueError when the set is not set up (any more)."""
+        group = self.process_set.group
+        if group is None:
+            raise ValueError(f"rank {rank}: {_OWNER}: {self.process_set} is not set up "
+                             "(hvd.shutdown() was called, or the set was removed); call hvd.init() "
+                             "(and add the set again) before training with this optimizer")
+        return group
+
     def agreed_order(self, mine: list[str]) -> list[str]:
         """Reducer.rebuild_by_ready_order's agreement: the order GradSync agreed on already."""
         return list(self.order)
@@ -179,20 +190,33 @@ def sparse_reduce(grad: torch.Tensor | None, like: torch.Tensor, sparse_dim: int
                                    check_invariants=False).coalesce()
 
 
-def _remove_hooks(hooks: list[Any]) -> None:
-    for hook in hooks:
-        hook.remove()
-    hooks.clear()
+def _hvd_errors(fn: Any, *args: Any) -> Any:
+    """fn(*args), an engine failure raised as Horovod's HorovodInternalError."""
+    try:
+        return fn(*args)
+    except TorchringError as exc:
+        err = basics.internal_error(exc)
+        if err is exc:
+            raise
+        raise err from exc
 
 
-def _make_hook(sync: GradSync, j: int) -> Any:
-    ref = weakref.ref(sync)  # torch keeps hooks where the collector cannot see them
-
-    def hook(p: torch.Tensor) -> None:
-        owner = ref()
-        if owner is not None:
-            owner.on_grad(j)
-    return hook
+def _first_sync_outcome(everyone: list[Any], rank: int) -> tuple[list[str], dict[str, int]]:
+    """From the first-sync allgather of (ready order, (name, shape) list, sparse found) per set
+    rank: the order to adopt (set rank 0's, or the lowest rank's with one) and every sparse
+    parameter found anywhere; raises unless every rank syncs set rank 0's parameters."""
+    reference = everyone[0][1]
+    for r, (_, theirs, _) in enumerate(everyone):
+        if theirs != reference:
+            diff = next((a, b) for a, b in zip(reference + [None], theirs + [None]) if a != b)
+            raise ValueError(
+                f"rank {rank}: {_OWNER}: the ranks of the process set sync different "
+                f"parameters: set rank 0 has {diff[0]}, set rank {r} has {diff[1]} (name, shape); "
+                "build the same model and optimizer on every rank")
+    found: dict[str, int] = {}
+    for _, _, theirs in everyone:
+        found.update(theirs)
+    return next((order for order, _, _ in everyone if order), []), found
 
 
 class GradSync:
@@ -209,115 +233,77 @@ class GradSync:
         self.sparse: dict[int, int] = {}     # outside the buckets: param index -> sparse_dim
         self.sparse_now: dict[int, int] = {}  # gradients that arrived sparse in this sync
         self.seen_sparse: dict[int, int] = {}  # ever, on this rank
-        # As under torchring.wrap, large CPU allocations of a backward that reaches these
-        # parameters (their fresh gradients among them) reuse memory kept between steps.
-        cpu_bytes = sum(p.numel() * p.element_size() for p in params if p.device.type == "cpu")
-        self._pool = cpu_bytes > 0 and memory.reserve_grad_pool(self, cpu_bytes)
-        self._pool_task = -1
+        # Hooks; as under torchring.wrap, a backward's large CPU allocations come from the pool.
+        self._hooks = GradHooks(self.on_grad, params)
         # hvd.join() reaches the syncs of optimizers on the global set only (join has no set).
         self.join_key = (_join_sync.register(self, names, [tuple(p.shape) for p in params])
                          if transport.process_set.process_set_id == 0 else None)
         self._build()
-        self._hooks: list[Any] = [p.register_post_accumulate_grad_hook(_make_hook(self, j))
-                                  for j, p in enumerate(params)]
-        weakref.finalize(self, _remove_hooks, self._hooks).atexit = False
-
-    def _current_group(self) -> Any:
-        group = self.transport.process_set.group
-        if group is None:
-            raise ValueError(f"rank {self.rank}: {_OWNER}: {self.transport.process_set} is not set up "
-                             "(hvd.shutdown() was called, or the set was removed); call hvd.init() "
-                             "(and add the set again) before training with this optimizer")
-        return group
 
     def _build(self) -> None:
         """A Reducer over the parameters not reduced sparsely; the first-sync agreement is due."""
-        self.group = self._current_group()
+        self.group = self.transport.current_group(self.rank)
         dense = [j for j in range(len(self.params)) if j not in self.sparse]
-        self.slot: list[int | None] = [None] * len(self.params)
-        for i, j in enumerate(dense):
-            self.slot[j] = i
-        params = [self.params[j] for j in dense]
-        first, cap = bucket_caps()
-        fixed = group_assignment(params, self.groups, first, cap) if self.groups is not None else None
-        self.reducer = Reducer(params, [self.names[j] for j in dense], first_bucket_cap_bytes=first,
-                               bucket_cap_bytes=cap, compression=self.transport.wire,
-                               allreduce_async=self.transport, agree_on_order=self.transport.agreed_order,
-                               rank=self.rank, owner=_OWNER, assignment=fixed)
+        position = {j: i for i, j in enumerate(dense)}
+        self.slot: list[int | None] = [position.get(j) for j in range(len(self.params))]
+        self.reducer = self.transport.reducer([self.params[j] for j in dense],
+                                              [self.names[j] for j in dense], self.groups, self.rank)
         self.agreed = False
         self.order: list[str] = []
 
-    def _fresh_group(self) -> None:
-        """After an hvd re-init the set has a new group: start over on it."""
-        if self.reducer.in_progress:
-            self.reducer.recover()
-        self.sparse.clear()
-        self.delay = [self.passes] * len(self.params)
-        self._build()
+    def _on_current_group(self) -> None:
+        """After an hvd re-init the set has a new group: starts over on it."""
+        if self.transport.current_group(self.rank) is not self.group:
+            if self.reducer.in_progress:
+                self.reducer.recover()
+            self.sparse.clear()
+            self.delay = [self.passes] * len(self.params)
+            self._build()
 
     def on_grad(self, j: int) -> None:
-        """Parameter j's post-accumulate-grad hook."""
-        with _LOCK:
-            if self._pool and torch._C._current_graph_task_id() != self._pool_task:
-                self._pool_task = memory.grad_pool_begin()  # until this backward ends
-                if self._pool_task >= 0:
-                    torch.autograd.Variable._execution_engine.queue_callback(self._end_pool)
-            if self._current_group() is not self.group:
-                self._fresh_group()
-            if self.delay[j] <= 0:
-                raise AssertionError(
-                    f"rank {self.rank}: {_OWNER}: parameter '{self.names[j]}' got a gradient from "
-                    f"more than backward_passes_per_step={self.passes} backward passes before "
-                    "step() or synchronize(). Increase backward_passes_per_step to accumulate "
-                    "that many passes locally, or step after each group of passes")
-            self.pending = True
-            self.delay[j] -= 1
-            if self.delay[j] > 0 or self.slot[j] is None:
-                return  # sparse ones are reduced in synchronize()
-            p = self.params[j]
-            if p.grad is not None and p.grad.is_sparse:
-                self._densify(j)
-            if not self.agreed:
-                self.order.append(self.names[j])
-            self._call(self.reducer.mark_ready, self.slot[j])
-
-    def _end_pool(self) -> None:
-        memory.grad_pool_end(self._pool_task)
+        """Parameter j's post-accumulate-grad hook (under the kit's lock)."""
+        self._on_current_group()
+        if self.delay[j] <= 0:
+            raise AssertionError(
+                f"rank {self.rank}: {_OWNER}: parameter '{self.names[j]}' got a gradient from "
+                f"more than backward_passes_per_step={self.passes} backward passes before "
+                "step() or synchronize(). Increase backward_passes_per_step to accumulate "
+                "that many passes locally, or step after each group of passes")
+        self.pending = True
+        self.delay[j] -= 1
+        if self.delay[j] > 0 or self.slot[j] is None:
+            return  # sparse ones are reduced in synchronize()
+        p = self.params[j]
+        if p.grad is not None and p.grad.is_sparse:
+            self._densify(j)
+        if not self.agreed:
+            self.order.append(self.names[j])
+        _hvd_errors(self.reducer.mark_ready, self.slot[j])
 
     def _densify(self, j: int) -> None:
         p = self.params[j]
         self.sparse_now[j] = self.seen_sparse[j] = p.grad.sparse_dim()
         p.grad = p.grad.to_dense()
 
-    def _call(self, fn: Any, *args: Any) -> Any:
-        """fn(*args), an engine failure raised as Horovod's HorovodInternalError."""
-        try:
-            return fn(*args)
-        except TorchringError as exc:
-            err = basics.internal_error(exc)
-            if err is exc:
-                raise
-            raise err from exc
-
     def synchronize(self) -> None:
         """Reduces every gradient (what the hooks did not launch yet too) and writes the results."""
-        with _LOCK:
-            if self._current_group() is not self.group:
-                self._fresh_group()
+        self._hooks.close_failed_backward()  # the pool scope of a backward that raised ends here
+        with LOCK:
+            self._on_current_group()
             # Parameters the hooks did not hand to the Reducer (no gradient on this rank, or
             # fewer backward passes than backward_passes_per_step); only they can need help.
             unmarked = [j for j, left in enumerate(self.delay) if left > 0 and self.slot[j] is not None]
             try:
                 if self.join_key is not None:  # before anything here waits for the other ranks
-                    self._call(_join_sync.submit_marker, self.join_key)
+                    _hvd_errors(_join_sync.submit_marker, self.join_key)
                 for j in unmarked:  # the buckets copy dense gradients only
                     g = self.params[j].grad
                     if g is not None and g.is_sparse:
                         self._densify(j)
-                self._call(self.reducer.finalize)
-                self._reduce_sparse()
+                _hvd_errors(self.reducer.finalize)
+                self._reduce_sparse(contribute=True)
                 if not self.agreed:
-                    self._call(self._agree)
+                    _hvd_errors(self._agree)
                 for j, dim in list(self.sparse_now.items()) + list(self.sparse.items()):
                     g = self.params[j].grad
                     if g is not None and not g.is_sparse:
@@ -327,17 +313,14 @@ class GradSync:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)  # no rank had one (Horovod's zero-fill)
             finally:
-                self.delay = [self.passes] * len(self.params)
-                self.pending = False
-                self.sparse_now = {}
+                self._next_sync()
 
     def shadow(self) -> None:
         """This rank has joined (hvd.join()): takes part in one sync of the other ranks with
         zeros, issuing the collectives synchronize() issues, in its order, without touching any
         gradient; the first sync's agreement runs here too (a rank may join before it)."""
-        with _LOCK:
-            if self._current_group() is not self.group:
-                self._fresh_group()
+        with LOCK:
+            self._on_current_group()
             if self.reducer.in_progress:
                 raise RuntimeError(
                     f"rank {self.rank}: {_OWNER}: hvd.join() was called after backward() and "
@@ -345,24 +328,27 @@ class GradSync:
                     "take part in the other ranks' sync with zeros; call step() or synchronize() "
                     "before hvd.join()")
             try:
-                self._call(self.reducer.shadow)
-                average = self.transport.op == basics.Average
-                for j in sorted(self.sparse):
-                    sparse_reduce(None, self.params[j], self.sparse[j], self.group, average)
+                _hvd_errors(self.reducer.shadow)
+                self._reduce_sparse(contribute=False)
                 if not self.agreed:
-                    self._call(self._agree)
+                    _hvd_errors(self._agree)
             finally:
                 # Backward passes counted since the last sync (fewer than backward_passes_per_step)
                 # never reach the others, as in Horovod; the next sync starts afresh.
-                self.delay = [self.passes] * len(self.params)
-                self.pending = False
-                self.sparse_now = {}
+                self._next_sync()
 
-    def _reduce_sparse(self) -> None:
+    def _next_sync(self) -> None:
+        """After a sync (or a shadowed one): every parameter waits for its passes again."""
+        self.delay, self.pending, self.sparse_now = [self.passes] * len(self.params), False, {}
+
+    def _reduce_sparse(self, contribute: bool) -> None:
+        """The allgathers of the parameters outside the buckets; a joined rank adds nothing."""
         average = self.transport.op == basics.Average
         for j in sorted(self.sparse):
             p = self.params[j]
-            p.grad = sparse_reduce(p.grad, p, self.sparse[j], self.group, average)
+            reduced = sparse_reduce(p.grad if contribute else None, p, self.sparse[j], self.group, average)
+            if contribute:
+                p.grad = reduced
 
     def _agree(self) -> None:
         """The first-sync allgather: the ready order of set rank 0 (of the lowest rank with
@@ -373,27 +359,12 @@ class GradSync:
         sparse = {self.names[j]: d for j, d in self.seen_sparse.items()}
         everyone = self.group.allgather_object((self.order, sorted(mine), sparse))
         self.agreed = True
-        reference = everyone[0][1]
-        for r, (_, theirs, _) in enumerate(everyone):
-            if theirs != reference:
-                diff = next((a, b) for a, b in zip(reference + [None], theirs + [None]) if a != b)
-                raise ValueError(
-                    f"rank {self.rank}: {_OWNER}: the ranks of the process set sync different "
-                    f"parameters: set rank 0 has {diff[0]}, set rank {r} has {diff[1]} (name, shape); "
-                    "build the same model and optimizer on every rank")
-        self.transport.order = next((order for order, _, _ in everyone if order), [])
-        found: dict[str, int] = {}
-        for _, _, theirs in everyone:
-            found.update(theirs)
+        self.transport.order, found = _first_sync_outcome(everyone, self.rank)
         leaving = {self.index[n]: d for n, d in found.items()}
-        if self.sparse_as_dense or not leaving:
-            self.reducer.rebuild_by_ready_order()
-            return
-        self.sparse.update(leaving)
-        for j, d in leaving.items():
-            self.sparse_now.setdefault(j, d)  # reduced densely this time: hand it back sparse
-        order = self.transport.order
-        self._build()  # without them (a fixed layout for groups=, else the agreed order)
-        self.agreed = True
+        if leaving and not self.sparse_as_dense:
+            self.sparse.update(leaving)
+            for j, d in leaving.items():
+                self.sparse_now.setdefault(j, d)  # reduced densely this time: hand it back sparse
+            self._build()  # without them (a fixed layout for groups=, else the agreed order)
+            self.agreed = True
         self.reducer.rebuild_by_ready_order()
-        self.transport.order = order

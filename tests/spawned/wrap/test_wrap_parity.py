@@ -154,8 +154,8 @@ def _checkpointed(rank: int) -> list[str]:
         # Every allreduce the wrapper launches, by op: one AVG per bucket, then one MAX (the
         # used-flags) per sync. The wrapper's Reducer takes the function when it is built.
         ops: list[str] = []
-        launch = torchring.collectives.allreduce_async
-        torchring.collectives.allreduce_async = lambda t, op: (ops.append(op.name), launch(t, op))[1]
+        launch = torchring.collectives.basic.allreduce_async
+        torchring.collectives.basic.allreduce_async = lambda t, op: (ops.append(op.name), launch(t, op))[1]
         model = torchring.wrap(copy.deepcopy(ref), bucket_cap_mb=0.0002, first_bucket_mb=0.0001)
         bad = []
         g = torch.Generator().manual_seed(3)

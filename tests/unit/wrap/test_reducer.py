@@ -434,6 +434,30 @@ def test_rebuild_over_a_new_parameter_list() -> None:
         rank.reducer.rebuild([])
 
 
+def test_rebuild_with_learn_order_keeps_the_stats_and_adopts_a_ready_order_again() -> None:
+    """Parameters that became trainable: the new layout is in reverse registration order, the
+    last sync's stats stay until the next one, and the next sync's ready order is adopted."""
+    world, ranks = _world(2)
+    for r, rank in enumerate(ranks):
+        for name in ("b", "a", "c"):
+            rank.give(name, _contribution(name, r, 2))
+    _finish(ranks)
+    for rank in ranks:
+        rank.reducer.rebuild_by_ready_order()
+        stats = rank.reducer.bucket_stats()
+        rank.reducer.rebuild([], params=rank.params[:2], names=["a", "b"], learn_order=True)
+        assert rank.reducer.layout() == [["b"], ["a"]] and not rank.reducer.rebuilt
+        assert rank.reducer.bucket_stats() == stats, "the last sync's stats were dropped"
+    for r, rank in enumerate(ranks):
+        for name in ("a", "b"):
+            rank.give(name, _contribution(name, r, 2))
+    _finish(ranks)
+    for rank in ranks:
+        assert [s["params"] for s in rank.reducer.bucket_stats()] == [1, 1]
+        assert rank.reducer.rebuild_by_ready_order() is True
+        assert rank.reducer.layout() == [["a"], ["b"]], "rank 0's new ready order"
+
+
 # ------------------------------------------------------------------------------- compression
 @pytest.mark.parametrize("wire", [torch.float16, torch.bfloat16])
 def test_compression_sends_16_bit_buckets(wire: torch.dtype) -> None:
