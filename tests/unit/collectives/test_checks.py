@@ -3,13 +3,11 @@ one list of the dtypes torchring moves, each front end's own words around it."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from torch import nn
 
-from torchring._wrap.model import DistributedModel
+from torchring._wrap import model
 from torchring.collectives import _checks
 from torchring.horovod.ops_reduce import check_tensor as hvd_check_tensor
 
@@ -31,6 +29,6 @@ def test_wrap_words_the_rule_its_own_way() -> None:
     module = nn.Module()
     module.register_buffer("table", torch.zeros(2, dtype=torch.complex64))
     with pytest.raises(TypeError) as caught:
-        DistributedModel._check_module(SimpleNamespace(_rank=3), module)  # type: ignore[arg-type]
+        model._check_module(module, 3)
     assert str(caught.value) == ("rank 3: torchring.wrap: 'table' has dtype complex64, which torchring "
                                  f"cannot communicate; use one of {EVERY_DTYPE}")
