@@ -124,6 +124,10 @@ void warn(const std::string& message);
 // Installs the sink warn() calls; an empty function restores stderr.
 void setWarningSink(std::function<void(const std::string&)> sink);
 
+// Seconds without progress before an operation fails, in every transport's options
+// (TORCHRING_TIMEOUT's default; Python passes the value it read).
+constexpr double kDefaultTimeoutSec = 300;
+
 using Clock = std::chrono::steady_clock;
 
 // One pause of a busy-wait loop (lets the sibling hyperthread run, saves power).

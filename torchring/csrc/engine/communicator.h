@@ -34,7 +34,7 @@ struct CommOptions {
   // rank of a host is its leader: the only one that talks TCP to other hosts.
   std::vector<std::vector<int>> hosts;
   // Seconds a rendezvous step or a collective may make no progress before it fails.
-  double timeoutSec = 300;
+  double timeoutSec = kDefaultTimeoutSec;
   // Shared-memory staging segment per rank (two of them: double buffering); a message
   // larger than this moves in several segments. Tests set it small to reach those paths.
   size_t segmentBytes = kDefaultSegmentBytes;
