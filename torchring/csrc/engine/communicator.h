@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "core/common.h"
+#include "core/tensor.h"
 #include "transport/p2p/p2p.h"
 #include "transport/shm/group.h"
 #include "transport/tcp/tcp.h"
@@ -187,12 +188,5 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   std::string failure_;  // first failure; every later operation reports it
   std::thread worker_;
 };
-
-DType toDType(at::ScalarType type);
-// "float32[10, 4]": a tensor as messages name it (Python's torchring._types.describe).
-std::string tensorText(const at::Tensor& tensor);
-// Rows of an uneven reduce_scatter: rank r gets rows/size rows, one more when r < rows % size.
-int64_t rowsOf(int64_t rows, int size, int rank);
-int64_t firstRowOf(int64_t rows, int size, int rank);
 
 }  // namespace torchring
