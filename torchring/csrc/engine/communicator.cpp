@@ -204,7 +204,7 @@ void Communicator::shutdown() {
   if (inFlight) {
     // An operation is running (on the worker or inline on another thread): make it fail
     // now instead of after the timeout, and wait for it before tearing the transports down.
-    if (shm_) shm_->abort("rank " + std::to_string(opt_.rank) + " called torchring.shutdown() during a collective");
+    if (shm_) shm_->abort("rank " + std::to_string(opt_.rank) + " called " + kShutdownCall.torchring + " during a collective");
     if (tcp_) tcp_->interrupt();
     if (p2p_) p2p_->shutdown();  // its pending transfers fail: a collective waiting on them returns
     std::unique_lock<std::mutex> lock(mutex_);
@@ -214,7 +214,7 @@ void Communicator::shutdown() {
   for (auto& op : dropped) {
     op.work->finish({}, std::make_exception_ptr(TorchringError(
                             rankText() + ": " + op.header.label() +
-                            " was not run: torchring.shutdown() was called while it was queued")));
+                            " was not run: " + kShutdownCall.torchring + " was called while it was queued")));
   }
   if (worker_.joinable()) worker_.join();
   if (tcp_) tcp_->close();
@@ -315,14 +315,14 @@ void Communicator::checkPeer(const at::Tensor& tensor, int peer, int64_t tag, co
   TORCH_CHECK_VALUE(tag >= 0, rankText(), ": ", what, " of ", tensorText(tensor), ": tag must be >= 0, got ", tag);
   if (forkGeneration() != forkGeneration_) {
     throw TorchringError(rankText() + ": " + what + " called in a forked child process (pid " +
-                         std::to_string(getpid()) + "): run it in the process that called torchring.init()");
+                         std::to_string(getpid()) + "): run it in the process that called " + kInitCall.torchring);
   }
 }
 
 void Communicator::onP2PFailure(const std::string& message) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (failure_.empty()) failure_ = message + "; " + kRecoveryHint;
+    if (failure_.empty()) failure_ = message;
   }
   if (shm_) shm_->abort(message);
   if (tcp_) tcp_->interrupt();
@@ -350,8 +350,8 @@ std::shared_ptr<CpuWork> Communicator::enqueue(Op item, bool runInline) {
   if (forkGeneration() != forkGeneration_) {
     throw TorchringError("rank " + std::to_string(opt_.rank) + ": " + kindName(kind) +
                          " called in a forked child process (pid " + std::to_string(getpid()) +
-                         ") of that rank: collectives run only in the process that called "
-                         "torchring.init(); run them in the main process, not in DataLoader "
+                         ") of that rank: collectives run only in the process that called " + kInitCall.torchring +
+                         "; run them in the main process, not in DataLoader "
                          "workers or other forks");
   }
   std::unique_lock<std::mutex> lock(mutex_);
@@ -363,7 +363,7 @@ std::shared_ptr<CpuWork> Communicator::enqueue(Op item, bool runInline) {
     lock.unlock();
     work->finish({}, std::make_exception_ptr(TorchringError(
                          rankText() + ": " + kindName(kind) +
-                         ": torchring was shut down; call torchring.init() first")));
+                         ": torchring was shut down; call " + kInitCall.torchring + " first")));
     return work;
   }
   if (runInline && queue_.empty() && !busy_) {
@@ -415,7 +415,7 @@ void Communicator::execute(Op& op) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!failure_.empty()) {
-      op.work->finish({}, std::make_exception_ptr(CommFailedError(failedMessage(op.header))));
+      op.work->finish({}, std::make_exception_ptr(CommFailedError(failedMessage(op.header), kRecoveryHint)));
       return;
     }
   }
@@ -431,24 +431,19 @@ void Communicator::execute(Op& op) {
     failure = e.what();
     std::lock_guard<std::mutex> lock(mutex_);
     if (!failure_.empty()) {  // failed elsewhere first (point-to-point): say that, not the echo
-      const std::string hint = std::string("; ") + kRecoveryHint;
-      std::string first = failure_;
-      if (first.size() >= hint.size() && first.compare(first.size() - hint.size(), hint.size(), hint) == 0) {
-        first.resize(first.size() - hint.size());
-      }
-      failure = rankText() + ": " + op.header.label() + " failed because the communicator failed: " + first;
+      failure = rankText() + ": " + op.header.label() + " failed because the communicator failed: " + failure_;
     }
   }
   if (!failure.empty()) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (failure_.empty()) failure_ = failure + "; " + kRecoveryHint;
+      if (failure_.empty()) failure_ = failure;
     }
     if (shm_) shm_->abort(failure);
     if (tcp_) tcp_->close();
     if (p2p_) p2p_->fail(failure);
     postFailure(failure);
-    error = std::make_exception_ptr(CommFailedError(failure + "; " + kRecoveryHint));
+    error = std::make_exception_ptr(CommFailedError(failure, kRecoveryHint));
   }
   op.tensor = at::Tensor();
   op.args = OpArgs();

@@ -154,7 +154,7 @@ int tcpConnect(const std::string& host, int port, int fromRank, int toRank, cons
     throw CommFailedError(who + ": connection refused: it shut down or died (or TORCHRING_ADDR names "
                           "another host)");
   }
-  if (dialed.cancelled) throw TorchringError(who + ": torchring.shutdown() was called while connecting");
+  if (dialed.cancelled) throw TorchringError(who + ": " + kShutdownCall.torchring + " was called while connecting");
   throw CommFailedError(who + " within " + std::to_string(static_cast<int>(timeoutSec)) + " s (" + dialed.error +
                         "): it died, or the address is not reachable from this host (TORCHRING_ADDR)");
 }

@@ -213,8 +213,8 @@ void TcpRing::exchange(const std::vector<Span>& send, const std::vector<Span>& r
       why << "hit the " << opt_.timeoutSec << " s timeout with no progress "
           << (receiving ? "receiving from" : "sending to");
       fail(why.str(), receiving,
-           "it is stuck, stopped, or issued different collectives; raise TORCHRING_TIMEOUT if "
-           "the work between collectives is that slow");
+           std::string("it is stuck, stopped, or issued different collectives; ") + kRaiseTimeout.torchring +
+               " if the work between collectives is that slow");
     }
   }
 }
