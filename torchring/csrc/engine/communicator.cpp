@@ -204,7 +204,9 @@ void Communicator::shutdown() {
   if (inFlight) {
     // An operation is running (on the worker or inline on another thread): make it fail
     // now instead of after the timeout, and wait for it before tearing the transports down.
-    if (shm_) shm_->abort("rank " + std::to_string(opt_.rank) + " called " + kShutdownCall.torchring + " during a collective");
+    if (shm_) {
+      shm_->abort("rank " + std::to_string(opt_.rank) + " called " + kShutdownCall.torchring + " during a collective");
+    }
     if (tcp_) tcp_->interrupt();
     if (p2p_) p2p_->shutdown();  // its pending transfers fail: a collective waiting on them returns
     std::unique_lock<std::mutex> lock(mutex_);

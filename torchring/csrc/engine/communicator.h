@@ -185,7 +185,8 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   std::deque<Op> queue_;
   bool busy_ = false, stopping_ = false;
   uint64_t nextSeq_ = 0;
-  std::string failure_;  // first failure; every later operation reports it
+  // The first failure; every later operation reports it (its errors add kRecoveryHint).
+  std::string failure_;
   std::thread worker_;
 };
 

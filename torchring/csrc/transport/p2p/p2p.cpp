@@ -239,8 +239,8 @@ void P2P::failAll(const std::string& message, bool notify, bool shuttingDown) {
     if (!op || op->work->isCompleted()) continue;
     std::exception_ptr error =
         shuttingDown ? std::make_exception_ptr(TorchringError(
-                           rankText() + ": " + describe(*op) +
-                           " was not completed: " + kShutdownCall.torchring + " (or the group's destroy()) was called first"))
+                           rankText() + ": " + describe(*op) + " was not completed: " + kShutdownCall.torchring +
+                           " (or the group's destroy()) was called first"))
                      : std::make_exception_ptr(CommFailedError(failedText(*op, message), kRecoveryHint));
     op->work->finish({}, error);
   }
@@ -375,8 +375,8 @@ void P2P::flushAcks() {
                                              [](const OutItem& item) { return item.send == nullptr; });
       for (auto it = unstarted; it != q.end(); ++it) {
         it->send->work->finish({}, std::make_exception_ptr(TorchringError(
-                                       rankText() + ": " + describe(*it->send) +
-                                       " was not sent: " + kShutdownCall.torchring + " (or the group's destroy()) was called first")));
+                                       rankText() + ": " + describe(*it->send) + " was not sent: " +
+                                       kShutdownCall.torchring + " (or the group's destroy()) was called first")));
       }
       q.erase(unstarted, q.end());
       if (q.empty()) continue;
