@@ -1,22 +1,25 @@
-// The only file that knows about Python: binds the communicator, its options and handles,
-// the engine's exceptions and enums. Every call that can block releases the GIL.
+// With bindings_testing.cpp, the only files that know about Python (tests/unit checks it):
+// binds the communicator, its options and handles, the engine's exceptions and enums. Every
+// call that can block releases the GIL.
 #include <torch/extension.h>
 
 #include <optional>
-#include <thread>
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "c10d/backend.h"
 #include "engine/communicator.h"
 #include "memory/grad_pool.h"
-#include "core/reduce.h"
-#include "core/stores.h"
 #ifdef TORCHRING_WITH_NCCL
 #include "cuda/nccl.h"
 #endif
 
 namespace py = pybind11;
+
+namespace torchring {
+void bindTesting(py::module_& m);  // bindings_testing.cpp
+}  // namespace torchring
+
 using torchring::CommOptions;
 using torchring::Communicator;
 using torchring::OpKind;
@@ -29,26 +32,6 @@ namespace {
 void raise(const char* name, const char* what) {
   py::object cls = py::module_::import("torchring._core.errors").attr(name);
   PyErr_SetString(cls.ptr(), what);
-}
-
-// Test-only: reduceInto over whole tensors, so unit tests check the kernels' rounding and
-// NaN/inf handling against torch without a communicator. dst = srcs[0] op srcs[1] ... .
-void reduceTensors(at::Tensor dst, const std::vector<at::Tensor>& srcs, int op, double scale) {
-  TORCH_CHECK(!srcs.empty(), "reduce_tensors: srcs is empty");
-  std::vector<const void*> ptrs;
-  for (const auto& t : srcs) {
-    TORCH_CHECK(t.is_contiguous() && t.device().is_cpu() && t.scalar_type() == dst.scalar_type() &&
-                    t.numel() == dst.numel(),
-                "reduce_tensors: every source must be a contiguous CPU tensor like dst (",
-                dst.scalar_type(), "[", dst.numel(), "]), got ", t.scalar_type(), "[", t.numel(), "]");
-    ptrs.push_back(t.data_ptr());
-  }
-  TORCH_CHECK(dst.is_contiguous() && dst.device().is_cpu(), "reduce_tensors: dst must be a contiguous CPU tensor");
-  TORCH_CHECK(op >= 0 && op < torchring::kNumReduceOps && op != static_cast<int>(ReduceOp::AVG),
-              "reduce_tensors: op must be SUM, MIN, MAX or PRODUCT (AVG is SUM with scale), got ", op);
-  torchring::reduceInto(dst.data_ptr(), nullptr, ptrs.data(), static_cast<int>(ptrs.size()),
-                        static_cast<size_t>(dst.numel()), torchring::toDType(dst.scalar_type()),
-                        static_cast<ReduceOp>(op), scale);
 }
 
 // allreduce's common call (collectives.py) as a plain CPython function: pybind's dispatcher
@@ -174,14 +157,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         });
       },
       py::arg("sink"));
-  m.def(
-      "warn_from_thread",
-      [](const std::string& message) {
-        py::gil_scoped_release release;
-        std::thread([message] { torchring::warn(message); }).join();
-      },
-      py::arg("message"), "Test-only: warn() from a thread of the engine's own, as the watchdog does.");
-
   // The engine's enums by name and value; torchring._core.types checks its mirror against them.
   py::dict reduceOps, opKinds;
   for (int i = 0; i < torchring::kNumReduceOps; ++i) {
@@ -195,7 +170,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("REDUCE_OPS") = reduceOps;
   m.attr("OP_KINDS") = opKinds;
   m.attr("DTYPES") = dtypes;
-  py::dict opSpecs;  // each kind's OpSpec row (core/common.h) by OP_KINDS' names; torchring._types checks it too
+  py::dict opSpecs;  // each kind's OpSpec row (core/common.h) by OP_KINDS' names; torchring._core.types checks it too
   for (int i = 0; i < torchring::kNumOpKinds; ++i) {
     const torchring::OpSpec& s = torchring::opSpec(static_cast<OpKind>(i));
     opSpecs[py::str(s.name).attr("upper")()] = py::dict(
@@ -203,55 +178,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("in_place") = s.inPlace, py::arg("nccl") = s.nccl, py::arg("ragged") = s.ragged);
   }
   m.attr("OP_SPECS") = opSpecs;
-  m.def("reduce_tensors", &reduceTensors, py::arg("dst"), py::arg("srcs"), py::arg("op"),
-        py::arg("scale") = 1.0, "Test-only: dst = srcs[0] op srcs[1] ... with the engine's kernels.");
-
+  torchring::bindTesting(m);  // the unit tests' entry points (bindings_testing.cpp)
   namespace gradpool = torchring::gradpool;
-  // Shared memory's placement and spin rules (transport/shm/group.cpp), for the unit tests.
-  m.def("_staging_shifts", &torchring::ShmGroup::stagingShifts, py::arg("page_offsets"));
-  m.def(
-      "_cpu_sets_suffice",
-      [](const std::vector<std::vector<int>>& cpuSets) {
-        std::vector<std::array<uint64_t, 16>> masks(cpuSets.size());
-        for (size_t i = 0; i < cpuSets.size(); ++i) {
-          masks[i].fill(0);
-          for (int cpu : cpuSets[i]) {
-            TORCH_CHECK_VALUE(cpu >= 0 && cpu < 1024, "_cpu_sets_suffice: CPU ", cpu, " is outside 0-1023");
-            masks[i][cpu / 64] |= uint64_t{1} << (cpu % 64);
-          }
-        }
-        return torchring::ShmGroup::cpusSuffice(masks);
-      },
-      py::arg("cpu_sets"));
-  // The staging-store rule (core/stores.h) on given timings: segment i, which copies `bytes` in,
-  // takes cached_seconds[i] or streaming_seconds[i], in the mode the chooser picks; returns
-  // the modes picked (True: streaming).
-  m.def(
-      "_store_choices",
-      [](const std::vector<double>& cachedSeconds, const std::vector<double>& streamingSeconds,
-         size_t bytes) {
-        TORCH_CHECK_VALUE(cachedSeconds.size() == streamingSeconds.size(),
-                          "_store_choices: give one cached and one streaming time per copy");
-        torchring::StoreChooser chooser;
-        std::vector<bool> picked;
-        for (size_t i = 0; i < cachedSeconds.size(); ++i) {
-          const bool stream = chooser.streaming(bytes);
-          picked.push_back(stream);
-          chooser.record(stream, bytes, stream ? streamingSeconds[i] : cachedSeconds[i]);
-        }
-        return picked;
-      },
-      py::arg("cached_seconds"), py::arg("streaming_seconds"), py::arg("bytes"));
-  m.def(
-      "_stream_copy",
-      [](at::Tensor dst, const at::Tensor& src) {
-        TORCH_CHECK_VALUE(dst.is_contiguous() && src.is_contiguous() && dst.nbytes() == src.nbytes() &&
-                              dst.device().is_cpu() && src.device().is_cpu(),
-                          "_stream_copy: two contiguous CPU tensors of the same size");
-        torchring::streamCopy(dst.data_ptr(), src.data_ptr(), src.nbytes());
-        torchring::streamFence();
-      },
-      py::arg("dst"), py::arg("src"));
   m.def("grad_pool_install", &gradpool::install, py::arg("limit_bytes"));
   m.def("grad_pool_begin", &gradpool::begin);
   m.def("grad_pool_end", &gradpool::end, py::arg("task"));

@@ -94,6 +94,14 @@ c10::intrusive_ptr<C10dWork> C10dBackend::make(c10d::OpType type, std::vector<at
                                        std::vector<std::vector<at::Tensor>>{});
 }
 
+std::shared_ptr<CpuWork> C10dBackend::submit(C10dWork& work, OpKind kind, const at::Tensor& tensor, ReduceOp op,
+                                             int root, bool runInline, OpArgs args) {
+  auto engine = comm_->submit(kind, tensor, op, root, runInline, std::move(args));
+  if (tensor.defined()) work.keep.push_back(tensor);
+  work.engine.push_back(engine);
+  return engine;
+}
+
 c10::intrusive_ptr<c10d::Work> C10dBackend::launch(c10::intrusive_ptr<C10dWork> work) {
   const auto type = work->retrieveOpType();
   if (type != c10d::OpType::SEND && type != c10d::OpType::RECV) ++collectives_;
@@ -147,7 +155,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::allreduce(std::vector<at::Tensor>& t
   auto work = make(c10d::OpType::ALLREDUCE, {t});
   OpArgs args;
   args.prescale = prescale;
-  work->engine.push_back(comm_->submit(OpKind::ALLREDUCE, staged(t, *work), op, -1, !opts.asyncOp, args));
+  submit(*work, OpKind::ALLREDUCE, staged(t, *work), op, -1, !opts.asyncOp, args);
   return launch(work);
 }
 
@@ -162,7 +170,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::allreduce_coalesced(std::vector<at::
     std::tie(op, args.prescale) = reduceOp(opts.reduceOp, t, "all_reduce_coalesced");
     args.tensors.push_back(staged(t, *work));
   }
-  work->engine.push_back(comm_->submit(OpKind::ALLREDUCE_MANY, at::Tensor(), op, -1, !opts.asyncOp, args));
+  submit(*work, OpKind::ALLREDUCE_MANY, at::Tensor(), op, -1, !opts.asyncOp, args);
   return launch(work);
 }
 
@@ -170,8 +178,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::broadcast(std::vector<at::Tensor>& t
                                                       const c10d::BroadcastOptions& opts) {
   at::Tensor t = checked(one(tensors, "broadcast"), "broadcast", "tensor");
   auto work = make(c10d::OpType::BROADCAST, {t});
-  work->engine.push_back(comm_->submit(OpKind::BROADCAST, staged(t, *work), ReduceOp::SUM,
-                                       static_cast<int>(opts.rootRank), !opts.asyncOp));
+  submit(*work, OpKind::BROADCAST, staged(t, *work), ReduceOp::SUM, static_cast<int>(opts.rootRank), !opts.asyncOp);
   return launch(work);
 }
 
@@ -181,8 +188,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::reduce(std::vector<at::Tensor>& tens
   auto [op, prescale] = reduceOp(opts.reduceOp, t, "reduce");
   TORCH_CHECK_VALUE(prescale == 1.0, where("reduce"), ": PREMUL_SUM is not supported for reduce");
   auto work = make(c10d::OpType::REDUCE, {t});
-  work->engine.push_back(comm_->submit(OpKind::REDUCE, staged(t, *work), op,
-                                       static_cast<int>(opts.rootRank), !opts.asyncOp));
+  submit(*work, OpKind::REDUCE, staged(t, *work), op, static_cast<int>(opts.rootRank), !opts.asyncOp);
   return launch(work);
 }
 
@@ -200,11 +206,9 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::allgather(std::vector<std::vector<at
   }
   auto work = c10::make_intrusive<C10dWork>(rank_, c10d::OpType::ALLGATHER, outputs[0], true, outputs);
   at::Tensor flat = hostIn(in).reshape({1, -1});
-  auto gathered = comm_->submit(OpKind::ALLGATHER, flat, ReduceOp::SUM, -1, !opts.asyncOp);
+  auto gathered = submit(*work, OpKind::ALLGATHER, flat, ReduceOp::SUM, -1, !opts.asyncOp);
   std::vector<at::Tensor> outs = outputs[0];
   work->post = [gathered, outs]() { copyRows(gathered->wait(0), outs); };
-  work->keep.push_back(flat);
-  work->engine.push_back(gathered);
   return launch(work);
 }
 
@@ -220,7 +224,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::_allgather_base(at::Tensor& output, 
   at::Tensor flat = hostIn(input).reshape({1, -1});
   OpArgs args;
   args.out = staged(output, *work);  // the engine gathers straight into it
-  auto gathered = comm_->submit(OpKind::ALLGATHER, flat, ReduceOp::SUM, -1, !opts.asyncOp, args);
+  auto gathered = submit(*work, OpKind::ALLGATHER, flat, ReduceOp::SUM, -1, !opts.asyncOp, args);
   at::Tensor out = args.out;
   auto previous = work->post;
   work->post = [gathered, out, previous]() mutable {
@@ -228,8 +232,6 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::_allgather_base(at::Tensor& output, 
     if (!all.is_same(out)) out.copy_(all.view(out.sizes()));
     if (previous) previous();  // a staged output: copy back
   };
-  work->keep.push_back(flat);
-  work->engine.push_back(gathered);
   return launch(work);
 }
 
@@ -282,9 +284,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::allgather_into_tensor_coalesced(
     TORCH_CHECK_VALUE(outputs[i].numel() == inputs[i].numel() * size_, where("all_gather_into_tensor_coalesced"),
                       ": output ", i, " must hold ", size_, " times input ", i);
     at::Tensor flat = hostIn(inputs[i]).reshape({1, -1});
-    auto gathered = comm_->submit(OpKind::ALLGATHER, flat, ReduceOp::SUM, -1, false);
-    work->keep.push_back(flat);
-    work->engine.push_back(gathered);
+    auto gathered = submit(*work, OpKind::ALLGATHER, flat, ReduceOp::SUM, -1, false);
     parts.emplace_back(gathered, outputs[i]);
   }
   work->post = [parts]() mutable {
@@ -314,10 +314,8 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::gather(std::vector<std::vector<at::T
   auto work = c10::make_intrusive<C10dWork>(rank_, c10d::OpType::GATHER, outs, true,
                                             rank_ == root ? outputs : std::vector<std::vector<at::Tensor>>{});
   at::Tensor flat = hostIn(in).reshape({1, -1});
-  auto gathered = comm_->submit(OpKind::GATHER, flat, ReduceOp::SUM, root, false);
+  auto gathered = submit(*work, OpKind::GATHER, flat, ReduceOp::SUM, root, false);
   work->post = [gathered, outs]() { copyRows(gathered->wait(0), outs); };
-  work->keep.push_back(flat);
-  work->engine.push_back(gathered);
   return launch(work);
 }
 
@@ -341,8 +339,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::scatter(std::vector<at::Tensor>& out
     args.tensors = {at::cat(rows)};
   }
   at::Tensor flat = staged(out, *work).reshape({1, -1});
-  work->keep.push_back(flat);
-  work->engine.push_back(comm_->submit(OpKind::SCATTER, flat, ReduceOp::SUM, root, false, args));
+  submit(*work, OpKind::SCATTER, flat, ReduceOp::SUM, root, false, args);
   return launch(work);
 }
 
@@ -366,8 +363,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::reduce_scatter(std::vector<at::Tenso
   OpArgs args;
   args.out = target;
   args.prescale = prescale;
-  work->keep.push_back(stacked);
-  work->engine.push_back(comm_->submit(OpKind::REDUCE_SCATTER, stacked, op, -1, !opts.asyncOp, args));
+  submit(*work, OpKind::REDUCE_SCATTER, stacked, op, -1, !opts.asyncOp, args);
   return launch(work);
 }
 
@@ -385,8 +381,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::_reduce_scatter_base(at::Tensor& out
   OpArgs args;
   args.out = staged(output, *work).reshape({1, -1});
   args.prescale = prescale;
-  work->keep.push_back(stacked);
-  work->engine.push_back(comm_->submit(OpKind::REDUCE_SCATTER, stacked, op, -1, !opts.asyncOp, args));
+  submit(*work, OpKind::REDUCE_SCATTER, stacked, op, -1, !opts.asyncOp, args);
   return launch(work);
 }
 
@@ -405,8 +400,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::reduce_scatter_tensor_coalesced(
     OpArgs args;
     args.out = staged(outputs[i], *work).reshape({1, -1});
     args.prescale = prescale;
-    work->keep.push_back(stacked);
-    work->engine.push_back(comm_->submit(OpKind::REDUCE_SCATTER, stacked, op, -1, false, args));
+    submit(*work, OpKind::REDUCE_SCATTER, stacked, op, -1, false, args);
   }
   return launch(work);
 }
@@ -435,8 +429,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::alltoall_base(at::Tensor& output, at
   args.recvSplitsKnown = true;
   args.out = staged(output, *work);
   at::Tensor in = hostIn(input);
-  work->keep.push_back(in);
-  work->engine.push_back(comm_->submit(OpKind::ALLTOALL, in, ReduceOp::SUM, -1, false, args));
+  submit(*work, OpKind::ALLTOALL, in, ReduceOp::SUM, -1, false, args);
   return launch(work);
 }
 
@@ -472,8 +465,8 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::alltoall(std::vector<at::Tensor>& ou
       offset += recv[r];
     }
   };
-  work->keep = {in, out};
-  work->engine.push_back(comm_->submit(OpKind::ALLTOALL, in, ReduceOp::SUM, -1, false, args));
+  work->keep.push_back(out);
+  submit(*work, OpKind::ALLTOALL, in, ReduceOp::SUM, -1, false, args);
   return launch(work);
 }
 
@@ -499,7 +492,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::recvAnysource(std::vector<at::Tensor
 
 c10::intrusive_ptr<c10d::Work> C10dBackend::barrier(const c10d::BarrierOptions& opts) {
   auto work = make(c10d::OpType::BARRIER, {});
-  work->engine.push_back(comm_->submit(OpKind::BARRIER, at::Tensor(), ReduceOp::SUM, -1, !opts.asyncOp));
+  submit(*work, OpKind::BARRIER, at::Tensor(), ReduceOp::SUM, -1, !opts.asyncOp);
   return launch(work);
 }
 

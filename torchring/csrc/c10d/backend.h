@@ -81,6 +81,10 @@ class C10dBackend : public c10d::Backend {
   // the last hands the work to the Completer.
   c10::intrusive_ptr<c10d::Work> launch(c10::intrusive_ptr<C10dWork> work);
   c10::intrusive_ptr<C10dWork> make(c10d::OpType type, std::vector<at::Tensor> outputs);
+  // Submits one engine operation for `work` (Communicator::submit's arguments): keeps
+  // `tensor` alive until the work completes and adds the operation to those it waits for.
+  std::shared_ptr<CpuWork> submit(C10dWork& work, OpKind kind, const at::Tensor& tensor, ReduceOp op, int root,
+                                  bool runInline, OpArgs args = OpArgs());
   at::Tensor checked(const at::Tensor& t, const char* op, const char* name) const;
   const at::Tensor& one(const std::vector<at::Tensor>& tensors, const char* op) const;
   std::string where(const char* op) const;

@@ -33,24 +33,19 @@ std::vector<c10::Device> devicesOf(const std::vector<at::Tensor>& outputs,
   return devices;
 }
 
-// `message` with the advice torchring's own API gives replaced by torch.distributed's (the
-// timeout is init_process_group's, the restart is destroy/init_process_group).
-std::string torchAdvice(std::string message) {
-  const std::pair<const char*, const char*> swaps[] = {
-      {kRecoveryHint, "the process group failed: call dist.destroy_process_group() and "
-                      "dist.init_process_group() on every rank to start over (or let torchrun "
-                      "--max-restarts restart the job)"},
-      {"raise TORCHRING_TIMEOUT", "raise init_process_group(timeout=...)"},
-      {"torchring.shutdown()", "dist.destroy_process_group()"},
-      {"torchring.init()", "dist.init_process_group()"},
-  };
-  for (const auto& [from, to] : swaps) {
-    const std::string needle(from);
-    for (size_t at = message.find(needle); at != std::string::npos; at = message.find(needle, at + 1)) {
-      message.replace(at, needle.size(), to);
+// `error`'s message in torch.distributed's words: the advice it carries as a field (the
+// recovery hint) in the backend's words, and the Advice its text names (core/common.h: the
+// timeout is init_process_group's, the restart is destroy/init_process_group; a message
+// quoting another rank's failure names them too) replaced by name.
+std::string torchWords(const TorchringError& error) {
+  std::string message = error.message();
+  for (const Advice* advice : kAllAdvice) {
+    const std::string from(advice->torchring);
+    for (size_t at = message.find(from); at != std::string::npos; at = message.find(from, at + 1)) {
+      message.replace(at, from.size(), advice->torch);
     }
   }
-  return message;
+  return error.advice() ? message + "; " + error.advice()->torch : message;
 }
 
 // The same exception class as `error`, its message in torch.distributed's words.
@@ -58,13 +53,13 @@ std::exception_ptr forTorch(std::exception_ptr error) {
   try {
     std::rethrow_exception(error);
   } catch (const MismatchError& e) {
-    return std::make_exception_ptr(MismatchError(torchAdvice(e.what())));
+    return std::make_exception_ptr(MismatchError(torchWords(e)));
   } catch (const CommFailedError& e) {
-    return std::make_exception_ptr(CommFailedError(torchAdvice(e.what())));
+    return std::make_exception_ptr(CommFailedError(torchWords(e)));
   } catch (const WaitTimeoutError& e) {
-    return std::make_exception_ptr(WaitTimeoutError(torchAdvice(e.what())));
+    return std::make_exception_ptr(WaitTimeoutError(torchWords(e)));
   } catch (const TorchringError& e) {
-    return std::make_exception_ptr(TorchringError(torchAdvice(e.what())));
+    return std::make_exception_ptr(TorchringError(torchWords(e)));
   } catch (...) {
     return error;
   }

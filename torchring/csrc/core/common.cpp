@@ -12,9 +12,15 @@
 
 namespace torchring {
 
-const char* const kRecoveryHint =
+const Advice kRecoveryHint = {
     "the communicator failed: call torchring.shutdown() and torchring.init() on every rank to "
-    "start over (or let torchrun --max-restarts restart the job)";
+    "start over (or let torchrun --max-restarts restart the job)",
+    "the process group failed: call dist.destroy_process_group() and dist.init_process_group() on "
+    "every rank to start over (or let torchrun --max-restarts restart the job)"};
+const Advice kRaiseTimeout = {"raise TORCHRING_TIMEOUT", "raise init_process_group(timeout=...)"};
+const Advice kShutdownCall = {"torchring.shutdown()", "dist.destroy_process_group()"};
+const Advice kInitCall = {"torchring.init()", "dist.init_process_group()"};
+const Advice* const kAllAdvice[4] = {&kRecoveryHint, &kRaiseTimeout, &kShutdownCall, &kInitCall};
 
 size_t elementSize(DType dtype) {
   switch (dtype) {

@@ -11,6 +11,21 @@
 
 namespace torchring {
 
+// Advice in engine messages that names torchring's own API (`torchring`), with what the c10d
+// backend says instead under torch.distributed (`torch`). Engine messages say these words
+// only through these constants, so the c10d backend replaces them by name (backend_work.cpp).
+struct Advice {
+  const char* torchring;
+  const char* torch;
+};
+extern const Advice kRecoveryHint;  // how every CommFailedError ends: what to do about it
+extern const Advice kRaiseTimeout;  // "raise TORCHRING_TIMEOUT" (if the work is that slow)
+extern const Advice kShutdownCall;  // "torchring.shutdown()"
+extern const Advice kInitCall;      // "torchring.init()"
+// Every Advice, in the order a front end replaces them in a message (the recovery hint
+// names the calls, so it goes first).
+extern const Advice* const kAllAdvice[4];
+
 // The engine's exceptions (docs/errors.md). Each surfaces in Python as the class of the same
 // role in torchring/_errors.py; bindings.cpp maps them. Violated invariants are not among
 // them: those are TORCH_INTERNAL_ASSERTs.
@@ -19,7 +34,18 @@ namespace torchring {
 // (a call in a forked child, an operation dropped or refused because of shutdown()).
 class TorchringError : public std::runtime_error {
  public:
-  using std::runtime_error::runtime_error;
+  explicit TorchringError(const std::string& message) : std::runtime_error(message), message_(message) {}
+  // `message`; then what to do about it, kept apart: what() says "<message>; <advice>" in
+  // torchring's words, and a front end with other words says its own (advice()->torch).
+  TorchringError(const std::string& message, const Advice& advice)
+      : std::runtime_error(message + "; " + advice.torchring), message_(message), advice_(&advice) {}
+
+  const std::string& message() const { return message_; }  // what() without the advice
+  const Advice* advice() const { return advice_; }          // nullptr: none of its own
+
+ private:
+  std::string message_;
+  const Advice* advice_ = nullptr;
 };
 
 // The communicator failed and must be rebuilt (torchring.shutdown(); torchring.init()): a
@@ -42,9 +68,6 @@ class WaitTimeoutError : public TorchringError {
  public:
   using TorchringError::TorchringError;
 };
-
-// How every CommFailedError ends: what to do about it.
-extern const char* const kRecoveryHint;
 
 // Python's torchring._core.types mirrors these three; it checks them against the names and values
 // bindings.cpp publishes (REDUCE_OPS, DTYPES, OP_KINDS) when the engine loads.
@@ -152,6 +175,10 @@ uint64_t forkGeneration();
 void warn(const std::string& message);
 // Installs the sink warn() calls; an empty function restores stderr.
 void setWarningSink(std::function<void(const std::string&)> sink);
+
+// Seconds without progress before an operation fails, in every transport's options
+// (TORCHRING_TIMEOUT's default; Python passes the value it read).
+constexpr double kDefaultTimeoutSec = 300;
 
 using Clock = std::chrono::steady_clock;
 

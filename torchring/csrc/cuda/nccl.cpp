@@ -24,8 +24,8 @@ ncclDataType_t ncclType(at::ScalarType type) {
     case at::kBool: return ncclUint8;
     case at::kInt: return ncclInt32;
     case at::kLong: return ncclInt64;
-    default:
-      throw std::invalid_argument(std::string("NCCL path: unsupported dtype ") + c10::toString(type));
+    default:  // int16: collectives/basic.py keeps it off the NCCL path
+      TORCH_INTERNAL_ASSERT(false, "NCCL path: unsupported dtype ", c10::toString(type));
   }
 }
 
@@ -57,7 +57,7 @@ std::string describe(const std::shared_ptr<CpuWork>& check, const at::Tensor& t,
 }
 
 // Ends every message that aborts the communicator.
-const std::string kAborted = std::string("; the NCCL communicator is aborted: ") + kRecoveryHint;
+const std::string kAborted = std::string("; the NCCL communicator is aborted: ") + kRecoveryHint.torchring;
 
 void cudaCheck(cudaError_t result, const char* call) {
   if (result != cudaSuccess) {
@@ -264,8 +264,8 @@ std::string NcclComm::settleLocked() {
     if (secondsSince(front.agreed) > timeoutSec_) {
       std::ostringstream msg;
       msg << "rank " << rank_ << " (cuda:" << device_ << "): " << front.what << " did not complete within "
-          << timeoutSec_ << " s after every rank issued it (a GPU or a peer is stuck; raise "
-          << "TORCHRING_TIMEOUT if the GPU work queued before it takes that long)";
+          << timeoutSec_ << " s after every rank issued it (a GPU or a peer is stuck; "
+          << kRaiseTimeout.torchring << " if the GPU work queued before it takes that long)";
       return msg.str();
     }
     break;
@@ -325,7 +325,7 @@ void NcclComm::drain(double timeoutSec) {
       why = e.what();
     }
     if (why.empty() && !pending_.empty() && secondsSince(start) > timeoutSec) {
-      why = "rank " + std::to_string(rank_) + ": torchring.shutdown(): " + pending_.front().what +
+      why = "rank " + std::to_string(rank_) + ": " + kShutdownCall.torchring + ": " + pending_.front().what +
             " still running after " + std::to_string(timeoutSec) + " s";
     }
     if (!why.empty()) {
@@ -470,7 +470,7 @@ at::Tensor NcclWork::synchronize(double timeoutSec) {
       msg << "rank " << comm_->rank() << ": " << what_ << " did not complete within " << timeoutSec
           << " s (a rank is missing or stuck); the NCCL communicator is aborted";
       comm_->abort(msg.str());
-      throw CommFailedError(msg.str() + ": " + kRecoveryHint);
+      throw CommFailedError(msg.str() + ": " + kRecoveryHint.torchring);
     }
     std::this_thread::sleep_for(std::chrono::microseconds(20));
   }

@@ -16,7 +16,7 @@
 #include <thread>
 
 #include "core/common.h"
-#include "engine/communicator.h"
+#include "core/tensor.h"
 #include "core/work.h"
 
 namespace torchring {

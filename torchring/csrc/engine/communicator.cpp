@@ -9,43 +9,6 @@
 
 namespace torchring {
 
-bool engineDType(at::ScalarType type, DType* dtype) {
-  switch (type) {
-    case at::kFloat: *dtype = DType::F32; return true;
-    case at::kDouble: *dtype = DType::F64; return true;
-    case at::kHalf: *dtype = DType::F16; return true;
-    case at::kBFloat16: *dtype = DType::BF16; return true;
-    case at::kChar: *dtype = DType::I8; return true;
-    case at::kByte: *dtype = DType::U8; return true;
-    case at::kInt: *dtype = DType::I32; return true;
-    case at::kLong: *dtype = DType::I64; return true;
-    case at::kShort: *dtype = DType::I16; return true;
-    case at::kBool: *dtype = DType::BOOL; return true;
-    default: return false;
-  }
-}
-
-DType toDType(at::ScalarType type) {
-  DType dtype;
-  if (!engineDType(type, &dtype)) {
-    throw std::invalid_argument(std::string("torchring does not support dtype ") + c10::toString(type));
-  }
-  return dtype;
-}
-
-std::string tensorText(const at::Tensor& tensor) {
-  std::string text = dtypeName(toDType(tensor.scalar_type()));
-  text += "[";
-  for (int64_t d = 0; d < tensor.dim(); ++d) text += (d ? ", " : "") + std::to_string(tensor.size(d));
-  return text + "]";
-}
-
-int64_t rowsOf(int64_t rows, int size, int rank) { return rows / size + (rank < rows % size ? 1 : 0); }
-
-int64_t firstRowOf(int64_t rows, int size, int rank) {
-  return rank * (rows / size) + std::min<int64_t>(rank, rows % size);
-}
-
 Communicator::Communicator(CommOptions options)
     : opt_(std::move(options)), forkGeneration_(forkGeneration()) {
   if (opt_.size < 1 || opt_.rank < 0 || opt_.rank >= opt_.size) {
@@ -241,7 +204,9 @@ void Communicator::shutdown() {
   if (inFlight) {
     // An operation is running (on the worker or inline on another thread): make it fail
     // now instead of after the timeout, and wait for it before tearing the transports down.
-    if (shm_) shm_->abort("rank " + std::to_string(opt_.rank) + " called torchring.shutdown() during a collective");
+    if (shm_) {
+      shm_->abort("rank " + std::to_string(opt_.rank) + " called " + kShutdownCall.torchring + " during a collective");
+    }
     if (tcp_) tcp_->interrupt();
     if (p2p_) p2p_->shutdown();  // its pending transfers fail: a collective waiting on them returns
     std::unique_lock<std::mutex> lock(mutex_);
@@ -251,7 +216,7 @@ void Communicator::shutdown() {
   for (auto& op : dropped) {
     op.work->finish({}, std::make_exception_ptr(TorchringError(
                             rankText() + ": " + op.header.label() +
-                            " was not run: torchring.shutdown() was called while it was queued")));
+                            " was not run: " + kShutdownCall.torchring + " was called while it was queued")));
   }
   if (worker_.joinable()) worker_.join();
   if (tcp_) tcp_->close();
@@ -344,14 +309,14 @@ void Communicator::checkPeer(const at::Tensor& tensor, int peer, int64_t tag, co
   TORCH_CHECK_VALUE(tag >= 0, rankText(), ": ", what, " of ", tensorText(tensor), ": tag must be >= 0, got ", tag);
   if (forkGeneration() != forkGeneration_) {
     throw TorchringError(rankText() + ": " + what + " called in a forked child process (pid " +
-                         std::to_string(getpid()) + "): run it in the process that called torchring.init()");
+                         std::to_string(getpid()) + "): run it in the process that called " + kInitCall.torchring);
   }
 }
 
 void Communicator::onP2PFailure(const std::string& message) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (failure_.empty()) failure_ = message + "; " + kRecoveryHint;
+    if (failure_.empty()) failure_ = message;
   }
   if (shm_) shm_->abort(message);
   if (tcp_) tcp_->interrupt();
@@ -379,8 +344,8 @@ std::shared_ptr<CpuWork> Communicator::enqueue(Op item, bool runInline) {
   if (forkGeneration() != forkGeneration_) {
     throw TorchringError("rank " + std::to_string(opt_.rank) + ": " + kindName(kind) +
                          " called in a forked child process (pid " + std::to_string(getpid()) +
-                         ") of that rank: collectives run only in the process that called "
-                         "torchring.init(); run them in the main process, not in DataLoader "
+                         ") of that rank: collectives run only in the process that called " + kInitCall.torchring +
+                         "; run them in the main process, not in DataLoader "
                          "workers or other forks");
   }
   std::unique_lock<std::mutex> lock(mutex_);
@@ -392,7 +357,7 @@ std::shared_ptr<CpuWork> Communicator::enqueue(Op item, bool runInline) {
     lock.unlock();
     work->finish({}, std::make_exception_ptr(TorchringError(
                          rankText() + ": " + kindName(kind) +
-                         ": torchring was shut down; call torchring.init() first")));
+                         ": torchring was shut down; call " + kInitCall.torchring + " first")));
     return work;
   }
   if (runInline && queue_.empty() && !busy_) {
@@ -444,7 +409,7 @@ void Communicator::execute(Op& op) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!failure_.empty()) {
-      op.work->finish({}, std::make_exception_ptr(CommFailedError(failedMessage(op.header))));
+      op.work->finish({}, std::make_exception_ptr(CommFailedError(failedMessage(op.header), kRecoveryHint)));
       return;
     }
   }
@@ -460,24 +425,19 @@ void Communicator::execute(Op& op) {
     failure = e.what();
     std::lock_guard<std::mutex> lock(mutex_);
     if (!failure_.empty()) {  // failed elsewhere first (point-to-point): say that, not the echo
-      const std::string hint = std::string("; ") + kRecoveryHint;
-      std::string first = failure_;
-      if (first.size() >= hint.size() && first.compare(first.size() - hint.size(), hint.size(), hint) == 0) {
-        first.resize(first.size() - hint.size());
-      }
-      failure = rankText() + ": " + op.header.label() + " failed because the communicator failed: " + first;
+      failure = rankText() + ": " + op.header.label() + " failed because the communicator failed: " + failure_;
     }
   }
   if (!failure.empty()) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (failure_.empty()) failure_ = failure + "; " + kRecoveryHint;
+      if (failure_.empty()) failure_ = failure;
     }
     if (shm_) shm_->abort(failure);
     if (tcp_) tcp_->close();
     if (p2p_) p2p_->fail(failure);
     postFailure(failure);
-    error = std::make_exception_ptr(CommFailedError(failure + "; " + kRecoveryHint));
+    error = std::make_exception_ptr(CommFailedError(failure, kRecoveryHint));
   }
   op.tensor = at::Tensor();
   op.args = OpArgs();

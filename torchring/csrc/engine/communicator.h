@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "core/common.h"
+#include "core/tensor.h"
 #include "transport/p2p/p2p.h"
 #include "transport/shm/group.h"
 #include "transport/tcp/tcp.h"
@@ -34,7 +35,7 @@ struct CommOptions {
   // rank of a host is its leader: the only one that talks TCP to other hosts.
   std::vector<std::vector<int>> hosts;
   // Seconds a rendezvous step or a collective may make no progress before it fails.
-  double timeoutSec = 300;
+  double timeoutSec = kDefaultTimeoutSec;
   // Shared-memory staging segment per rank (two of them: double buffering); a message
   // larger than this moves in several segments. Tests set it small to reach those paths.
   size_t segmentBytes = kDefaultSegmentBytes;
@@ -184,18 +185,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   std::deque<Op> queue_;
   bool busy_ = false, stopping_ = false;
   uint64_t nextSeq_ = 0;
-  std::string failure_;  // first failure; every later operation reports it
+  // The first failure; every later operation reports it (its errors add kRecoveryHint).
+  std::string failure_;
   std::thread worker_;
 };
-
-// The engine's DType of a torch dtype: false for one the engine does not move.
-bool engineDType(at::ScalarType type, DType* dtype);
-// The same, throwing std::invalid_argument for a dtype the engine does not move.
-DType toDType(at::ScalarType type);
-// "float32[10, 4]": a tensor as messages name it (Python's torchring._core.types.describe).
-std::string tensorText(const at::Tensor& tensor);
-// Rows of an uneven reduce_scatter: rank r gets rows/size rows, one more when r < rows % size.
-int64_t rowsOf(int64_t rows, int size, int rank);
-int64_t firstRowOf(int64_t rows, int size, int rank);
 
 }  // namespace torchring

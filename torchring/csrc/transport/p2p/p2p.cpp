@@ -75,10 +75,11 @@ std::shared_ptr<CpuWork> P2P::post(bool isSend, int peer, int64_t tag, char* dat
   if (!failure_.empty() || stopping_) {
     std::exception_ptr error =
         stopping_ ? std::make_exception_ptr(TorchringError(rankText() + ": " + describe(*op) +
-                                                           ": torchring was shut down; call torchring.init() first"))
+                                                           ": torchring was shut down; call " +
+                                                           kInitCall.torchring + " first"))
                   : std::make_exception_ptr(CommFailedError(rankText() + ": " + describe(*op) +
                                                             " was not run because the communicator failed earlier: " +
-                                                            failure_ + "; " + kRecoveryHint));
+                                                            failure_, kRecoveryHint));
     lock.unlock();
     work->finish({}, error);
     return work;
@@ -238,9 +239,9 @@ void P2P::failAll(const std::string& message, bool notify, bool shuttingDown) {
     if (!op || op->work->isCompleted()) continue;
     std::exception_ptr error =
         shuttingDown ? std::make_exception_ptr(TorchringError(
-                           rankText() + ": " + describe(*op) +
-                           " was not completed: torchring.shutdown() (or the group's destroy()) was called first"))
-                     : std::make_exception_ptr(CommFailedError(failedText(*op, message) + "; " + kRecoveryHint));
+                           rankText() + ": " + describe(*op) + " was not completed: " + kShutdownCall.torchring +
+                           " (or the group's destroy()) was called first"))
+                     : std::make_exception_ptr(CommFailedError(failedText(*op, message), kRecoveryHint));
     op->work->finish({}, error);
   }
 }
@@ -374,8 +375,8 @@ void P2P::flushAcks() {
                                              [](const OutItem& item) { return item.send == nullptr; });
       for (auto it = unstarted; it != q.end(); ++it) {
         it->send->work->finish({}, std::make_exception_ptr(TorchringError(
-                                       rankText() + ": " + describe(*it->send) +
-                                       " was not sent: torchring.shutdown() (or the group's destroy()) was called first")));
+                                       rankText() + ": " + describe(*it->send) + " was not sent: " +
+                                       kShutdownCall.torchring + " (or the group's destroy()) was called first")));
       }
       q.erase(unstarted, q.end());
       if (q.empty()) continue;

@@ -44,7 +44,7 @@ class ShmGroup;
 struct P2POptions {
   int rank = 0, size = 1;
   std::vector<int> rankHost, rankLocal;  // host index and local index of every rank
-  double timeoutSec = 300;
+  double timeoutSec = kDefaultTimeoutSec;
   std::string secret;
   int spinIters = 20000;  // CommOptions.spinIters: how long to poll before sleeping
   std::string label;      // CommOptions.label

@@ -7,12 +7,6 @@
 // receiver may read while tail < head. Release on the owner's store, acquire on the
 // other's load: bytes are visible before the counter that publishes them. Each side moves
 // at most a 32 KiB piece per call, so the two copies overlap.
-#include <arpa/inet.h>
-#include <fcntl.h>
-#include <netdb.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
-#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -20,10 +14,10 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
-#include <thread>
 
 #include "transport/p2p/p2p.h"
 #include "transport/shm/group.h"
+#include "transport/tcp/socket.h"
 
 namespace torchring {
 namespace p2pstream {
@@ -121,21 +115,10 @@ class TcpIn : public InStream {
   std::string closed_;
 };
 
-constexpr char kMagic[8] = {'T', 'R', 'P', '2', 'P', '0', '0', '1'};
-
-// The first bytes on a point-to-point connection: the acceptor checks them before the
-// socket carries any message.
-struct Hello {
-  char magic[8];
-  char secret[64];
-  int32_t fromRank;
-  int32_t toRank;
-};
-
-void setNoDelay(int fd) {
-  int one = 1;
-  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-}
+// What point-to-point connections speak (transport/tcp/socket.h): its magic differs from
+// the TCP ring's, so neither accepts the other's connections.
+constexpr tcpsocket::Protocol kP2PProtocol{{'T', 'R', 'P', '2', 'P', '0', '0', '1'},
+                                           "torchring's point-to-point protocol"};
 
 }  // namespace
 
@@ -151,92 +134,36 @@ std::unique_ptr<InStream> tcpIn(int fd, const std::string& peerText) {
 }
 
 int tcpListen(const std::string& bindAddr, int rank, int* port) {
-  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-  if (fd < 0) throw CommFailedError("rank " + std::to_string(rank) + ": socket() failed: " + std::strerror(errno));
-  int one = 1;
-  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_ANY);
-  if (!bindAddr.empty() && inet_pton(AF_INET, bindAddr.c_str(), &addr.sin_addr) != 1) {
-    ::close(fd);
-    throw CommFailedError("rank " + std::to_string(rank) + ": TORCHRING_BIND_ADDR '" + bindAddr +
-                          "' is not an IPv4 address");
-  }
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || ::listen(fd, 128) != 0) {
-    std::string why = std::strerror(errno);
-    ::close(fd);
-    throw CommFailedError("rank " + std::to_string(rank) + ": cannot listen for point-to-point peers on " +
-                          (bindAddr.empty() ? "0.0.0.0" : bindAddr) + ": " + why);
-  }
-  socklen_t len = sizeof(addr);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  *port = ntohs(addr.sin_port);
-  return fd;
+  return tcpsocket::listenOn(bindAddr, "rank " + std::to_string(rank), " for point-to-point peers", port);
 }
 
 int tcpConnect(const std::string& host, int port, int fromRank, int toRank, const std::string& secret,
                double timeoutSec, const std::function<bool()>& cancelled) {
   const std::string who = "rank " + std::to_string(fromRank) + ": cannot connect to rank " +
                           std::to_string(toRank) + " at " + host + ":" + std::to_string(port);
-  addrinfo hints{}, *res = nullptr;
-  hints.ai_family = AF_INET;
-  hints.ai_socktype = SOCK_STREAM;
-  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res) != 0) {
-    throw CommFailedError(who + ": the address does not resolve");
+  tcpsocket::Dial dial;
+  dial.timeoutSec = timeoutSec;
+  dial.stopWhenRefused = true;  // its listener is gone: retrying cannot help
+  dial.cancelled = cancelled;
+  dial.greet = [&](int fd) { return tcpsocket::sendHello(fd, kP2PProtocol, secret, fromRank, toRank); };
+  tcpsocket::Dialed dialed = tcpsocket::connectWithin(host, port, dial);
+  if (dialed.fd >= 0) return dialed.fd;
+  if (dialed.unresolved) throw CommFailedError(who + ": the address does not resolve");
+  if (dialed.socketFailed) throw CommFailedError(who + ": socket() failed (" + dialed.error + ")");
+  if (dialed.refused) {
+    throw CommFailedError(who + ": connection refused: it shut down or died (or TORCHRING_ADDR names "
+                          "another host)");
   }
-  const auto start = Clock::now();
-  std::string lastError = "no attempt";
-  while (secondsSince(start) < timeoutSec && !cancelled()) {
-    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-    int rc = fd < 0 ? -1 : ::connect(fd, res->ai_addr, res->ai_addrlen);
-    if (rc != 0 && fd >= 0 && errno == EINPROGRESS) {  // non-blocking: a silent address cannot outlast the timeout
-      int err = ETIMEDOUT;
-      socklen_t len = sizeof(err);
-      const auto attempt = Clock::now();
-      while (secondsSince(attempt) < 5.0 && secondsSince(start) < timeoutSec && !cancelled()) {
-        pollfd pfd{fd, POLLOUT, 0};
-        if (poll(&pfd, 1, 100) == 1) {
-          getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
-          break;
-        }
-      }
-      rc = err == 0 ? 0 : -1;
-      errno = err;
-    }
-    if (rc != 0 && errno == ECONNREFUSED) {  // its listener is gone: retrying cannot help
-      if (fd >= 0) ::close(fd);
-      freeaddrinfo(res);
-      throw CommFailedError(who + ": connection refused: it shut down or died (or TORCHRING_ADDR names "
-                            "another host)");
-    }
-    if (rc == 0) {
-      Hello hello{};
-      std::memcpy(hello.magic, kMagic, sizeof(kMagic));
-      std::strncpy(hello.secret, secret.c_str(), sizeof(hello.secret));
-      hello.fromRank = fromRank;
-      hello.toRank = toRank;
-      // A fresh socket has room for these few bytes: one non-blocking send suffices.
-      if (::send(fd, &hello, sizeof(hello), MSG_NOSIGNAL) == static_cast<ssize_t>(sizeof(hello))) {
-        setNoDelay(fd);
-        freeaddrinfo(res);
-        return fd;
-      }
-    }
-    lastError = std::strerror(errno);
-    if (fd >= 0) ::close(fd);
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  freeaddrinfo(res);
-  if (cancelled()) throw TorchringError(who + ": torchring.shutdown() was called while connecting");
-  throw CommFailedError(who + " within " + std::to_string(static_cast<int>(timeoutSec)) + " s (" + lastError +
+  if (dialed.cancelled) throw TorchringError(who + ": " + kShutdownCall.torchring + " was called while connecting");
+  throw CommFailedError(who + " within " + std::to_string(static_cast<int>(timeoutSec)) + " s (" + dialed.error +
                         "): it died, or the address is not reachable from this host (TORCHRING_ADDR)");
 }
 
-int tcpAcceptRaw(int listenFd) { return accept4(listenFd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK); }
+int tcpAcceptRaw(int listenFd) { return tcpsocket::acceptWaiting(listenFd, true); }
 
 int readIntro(int fd, char* bytes, size_t* got, int rank, int size, const std::string& secret, int* fromRank,
               std::string* why) {
+  using tcpsocket::Hello;
   static_assert(sizeof(Hello) == kIntroBytes, "the introduction's size");
   while (*got < sizeof(Hello)) {
     ssize_t r = ::recv(fd, bytes + *got, sizeof(Hello) - *got, MSG_DONTWAIT);
@@ -249,19 +176,16 @@ int readIntro(int fd, char* bytes, size_t* got, int rank, int size, const std::s
   }
   Hello hello;
   std::memcpy(&hello, bytes, sizeof(hello));
-  if (std::memcmp(hello.magic, kMagic, sizeof(kMagic)) != 0) {
-    *why = "it did not speak torchring's point-to-point protocol";
-  } else if (std::strncmp(hello.secret, secret.c_str(), sizeof(hello.secret)) != 0) {
-    *why = "wrong job secret (a rank of another job, or a stray client)";
-  } else if (hello.toRank != rank || hello.fromRank < 0 || hello.fromRank >= size || hello.fromRank == rank) {
+  *why = tcpsocket::refusal(hello, kP2PProtocol, secret);
+  if (why->empty() &&
+      (hello.toRank != rank || hello.fromRank < 0 || hello.fromRank >= size || hello.fromRank == rank)) {
     *why = "it claims to be rank " + std::to_string(hello.fromRank) + " connecting to rank " +
            std::to_string(hello.toRank);
-  } else {
-    setNoDelay(fd);
-    *fromRank = hello.fromRank;
-    return 1;
   }
-  return -1;
+  if (!why->empty()) return -1;
+  tcpsocket::setNoDelay(fd);
+  *fromRank = hello.fromRank;
+  return 1;
 }
 
 }  // namespace p2pstream

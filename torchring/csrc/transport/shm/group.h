@@ -28,7 +28,7 @@ struct ShmOptions {
   int localIndex = 0;           // this process's index in localRanks
   size_t segmentBytes = 1 << 20;  // one segment: a staging buffer (two per rank: double buffering)
   size_t arenaBytes = 0;        // virtual size of the zero-copy arena (committed on use)
-  double timeoutSec = 300;      // a wait that sees no progress this long fails
+  double timeoutSec = kDefaultTimeoutSec;  // a wait that sees no progress this long fails
   int spinIters = 20000;        // busy-wait iterations before sleeping on a futex
   // Replace spinIters at attach by the CPU-set rule (group.cpp, chooseSpin).
   bool spinAuto = false;

@@ -139,7 +139,7 @@ void ShmGroup::failWaiting(int index, const char* why) const {
         << " (pid " << peer->pid << ", same host), which is " << ((progress & 1) ? "done with" : "in")
         << " operation #" << (progress >> 1)
         << "; a rank is stuck or stopped, or ranks issued different numbers of collectives "
-           "(raise TORCHRING_TIMEOUT if the work between collectives is that slow)";
+           "(" << kRaiseTimeout.torchring << " if the work between collectives is that slow)";
   }
   throw CommFailedError(msg.str());
 }

@@ -1,10 +1,5 @@
 #include "transport/tcp/tcp.h"
 
-#include <arpa/inet.h>
-#include <fcntl.h>
-#include <netdb.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -13,79 +8,18 @@
 #include <cerrno>
 #include <cstring>
 #include <sstream>
-#include <thread>
 
 #include "core/reduce.h"
+#include "transport/tcp/socket.h"
 
 namespace torchring {
 namespace {
 
-constexpr char kMagic[8] = {'T', 'R', 'I', 'N', 'G', '0', '0', '1'};
+using namespace tcpsocket;
+
+// What the ring's connections speak (socket.h): its magic differs from point-to-point's.
+constexpr Protocol kRingProtocol{{'T', 'R', 'I', 'N', 'G', '0', '0', '1'}, "the torchring protocol"};
 constexpr double kHelloTimeout = 5.0;  // a connecting peer must say hello within this
-
-// First bytes on every ring connection. The acceptor checks all of it before the socket
-// carries any data, so a stray or hostile connection never reaches a collective.
-struct Hello {
-  char magic[8];
-  char secret[64];
-  int32_t fromRank;
-  int32_t toRank;
-};
-
-std::string peerName(int fd) {
-  sockaddr_storage addr{};
-  socklen_t len = sizeof(addr);
-  if (getpeername(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) return "?";
-  char host[INET6_ADDRSTRLEN] = "?";
-  int port = 0;
-  if (addr.ss_family == AF_INET) {
-    auto* a = reinterpret_cast<sockaddr_in*>(&addr);
-    inet_ntop(AF_INET, &a->sin_addr, host, sizeof(host));
-    port = ntohs(a->sin_port);
-  }
-  return std::string(host) + ":" + std::to_string(port);
-}
-
-void setTimeouts(int fd, double seconds) {
-  timeval tv{};
-  tv.tv_sec = static_cast<long>(seconds);
-  tv.tv_usec = static_cast<long>((seconds - tv.tv_sec) * 1e6);
-  if (tv.tv_sec == 0 && tv.tv_usec == 0) tv.tv_usec = 1000;
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
-}
-
-// Blocking full read under the socket's receive timeout; false on EOF, error or timeout.
-bool readAll(int fd, void* buf, size_t bytes) {
-  auto* p = static_cast<char*>(buf);
-  while (bytes > 0) {
-    ssize_t r = ::recv(fd, p, bytes, 0);
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) return false;
-    p += r;
-    bytes -= static_cast<size_t>(r);
-  }
-  return true;
-}
-
-bool writeAll(int fd, const void* buf, size_t bytes) {
-  auto* p = static_cast<const char*>(buf);
-  while (bytes > 0) {
-    ssize_t w = ::send(fd, p, bytes, MSG_NOSIGNAL);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) return false;
-    p += w;
-    bytes -= static_cast<size_t>(w);
-  }
-  return true;
-}
-
-void setNonBlocking(int fd) { fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK); }
-
-void setNoDelay(int fd) {
-  int one = 1;
-  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-}
 
 }  // namespace
 
@@ -110,46 +44,22 @@ void TcpRing::interrupt() {
 }
 
 int TcpRing::listen(const std::string& bindAddr) {
-  listenFd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (listenFd_ < 0) {
-    throw CommFailedError("rank " + std::to_string(opt_.rank) + ": socket() failed: " + std::strerror(errno));
-  }
-  int one = 1;
-  setsockopt(listenFd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = 0;
-  addr.sin_addr.s_addr = htonl(INADDR_ANY);
-  if (!bindAddr.empty() && inet_pton(AF_INET, bindAddr.c_str(), &addr.sin_addr) != 1) {
-    throw CommFailedError("rank " + std::to_string(opt_.rank) + ": TORCHRING_BIND_ADDR '" +
-                         bindAddr + "' is not an IPv4 address");
-  }
-  if (bind(listenFd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      ::listen(listenFd_, 128) != 0) {
-    throw CommFailedError("rank " + std::to_string(opt_.rank) + ": cannot listen on " +
-                         (bindAddr.empty() ? "0.0.0.0" : bindAddr) + ": " + std::strerror(errno));
-  }
-  socklen_t len = sizeof(addr);
-  getsockname(listenFd_, reinterpret_cast<sockaddr*>(&addr), &len);
-  return ntohs(addr.sin_port);
+  int port = -1;
+  listenFd_ = listenOn(bindAddr, "rank " + std::to_string(opt_.rank), "", &port);
+  return port;
 }
 
 bool TcpRing::acceptOne(double remaining) {
   pollfd pfd{listenFd_, POLLIN, 0};
   int rc = poll(&pfd, 1, static_cast<int>(std::max(1.0, remaining * 1000)));
   if (rc <= 0) return false;
-  int fd = accept4(listenFd_, nullptr, nullptr, SOCK_CLOEXEC);
+  int fd = acceptWaiting(listenFd_, false);
   if (fd < 0) return false;
   setTimeouts(fd, std::min(kHelloTimeout, std::max(0.001, remaining)));
   Hello hello{};
-  std::string reason;
-  if (!readAll(fd, &hello, sizeof(hello))) {
-    reason = "it sent no complete handshake";
-  } else if (std::memcmp(hello.magic, kMagic, sizeof(kMagic)) != 0) {
-    reason = "it did not speak the torchring protocol";
-  } else if (std::strncmp(hello.secret, opt_.secret.c_str(), sizeof(hello.secret)) != 0) {
-    reason = "wrong job secret (a rank of another job, or a stray client)";
-  } else if (hello.fromRank != opt_.leftRank || hello.toRank != opt_.rank) {
+  std::string reason = readAll(fd, &hello, sizeof(hello)) ? refusal(hello, kRingProtocol, opt_.secret)
+                                                          : "it sent no complete handshake";
+  if (reason.empty() && (hello.fromRank != opt_.leftRank || hello.toRank != opt_.rank)) {
     reason = "it claims to be rank " + std::to_string(hello.fromRank) + " connecting to rank " +
              std::to_string(hello.toRank) + ", expected rank " + std::to_string(opt_.leftRank);
   }
@@ -175,50 +85,18 @@ void TcpRing::connect(const std::string& rightAddr, int rightPort) {
   auto remaining = [&] { return opt_.timeoutSec - secondsSince(start); };
   rightDesc_ = "rank " + std::to_string(opt_.rightRank) + " (right neighbour in the TCP ring, " +
                rightAddr + ":" + std::to_string(rightPort) + ")";
-  addrinfo hints{}, *res = nullptr;
-  hints.ai_family = AF_INET;
-  hints.ai_socktype = SOCK_STREAM;
-  if (getaddrinfo(rightAddr.c_str(), std::to_string(rightPort).c_str(), &hints, &res) != 0) {
-    fail("cannot resolve the address of", false);
-  }
-  std::string lastError;
-  while (sendFd_ < 0) {
-    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-    if (fd < 0) fail(std::string("socket() failed (") + std::strerror(errno) + ") connecting to", false);
-    // Non-blocking connect, so an address that drops packets cannot outlast the timeout.
-    int rc = ::connect(fd, res->ai_addr, res->ai_addrlen);
-    if (rc != 0 && errno == EINPROGRESS) {
-      pollfd pfd{fd, POLLOUT, 0};
-      int err = ETIMEDOUT;
-      socklen_t len = sizeof(err);
-      if (poll(&pfd, 1, static_cast<int>(std::max(1.0, std::min(remaining(), 5.0) * 1000))) == 1) {
-        getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
-      }
-      rc = err == 0 ? 0 : -1;
-      errno = err;
-    }
-    if (rc == 0) {
-      fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
-      sendFd_ = fd;
-      break;
-    }
-    lastError = std::strerror(errno);
-    ::close(fd);
-    if (remaining() <= 0) {
-      freeaddrinfo(res);
-      fail("cannot connect (" + lastError + ") to", false);
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  freeaddrinfo(res);
-  setNoDelay(sendFd_);
-  Hello hello{};
-  std::memcpy(hello.magic, kMagic, sizeof(kMagic));
-  std::memcpy(hello.secret, opt_.secret.data(), std::min(opt_.secret.size(), sizeof(hello.secret) - 1));
-  hello.fromRank = opt_.rank;
-  hello.toRank = opt_.rightRank;
+  Dial dial;
+  dial.timeoutSec = opt_.timeoutSec;
+  Dialed dialed = connectWithin(rightAddr, rightPort, dial);
+  if (dialed.unresolved) fail("cannot resolve the address of", false);
+  if (dialed.socketFailed) fail("socket() failed (" + dialed.error + ") connecting to", false);
+  if (dialed.fd < 0) fail("cannot connect (" + dialed.error + ") to", false);
+  sendFd_ = dialed.fd;
+  setNonBlocking(sendFd_, false);
   setTimeouts(sendFd_, std::max(0.001, remaining()));
-  if (!writeAll(sendFd_, &hello, sizeof(hello))) fail("cannot send the handshake to", false);
+  if (!sendHello(sendFd_, kRingProtocol, opt_.secret, opt_.rank, opt_.rightRank)) {
+    fail("cannot send the handshake to", false);
+  }
   // Accept the left neighbour before waiting for the right one's answer: every member
   // does the same, so nobody waits on a neighbour that is itself waiting.
   while (recvFd_ < 0) {
@@ -233,8 +111,8 @@ void TcpRing::connect(const std::string& rightAddr, int rightPort) {
     fail("the handshake was not accepted (different job secret?) by", false);
   }
   setNoDelay(recvFd_);
-  setNonBlocking(sendFd_);
-  setNonBlocking(recvFd_);
+  setNonBlocking(sendFd_, true);
+  setNonBlocking(recvFd_, true);
 }
 
 void TcpRing::fail(const std::string& why, bool left, const std::string& advice) const {
@@ -335,8 +213,8 @@ void TcpRing::exchange(const std::vector<Span>& send, const std::vector<Span>& r
       why << "hit the " << opt_.timeoutSec << " s timeout with no progress "
           << (receiving ? "receiving from" : "sending to");
       fail(why.str(), receiving,
-           "it is stuck, stopped, or issued different collectives; raise TORCHRING_TIMEOUT if "
-           "the work between collectives is that slow");
+           std::string("it is stuck, stopped, or issued different collectives; ") + kRaiseTimeout.torchring +
+               " if the work between collectives is that slow");
     }
   }
 }

@@ -21,7 +21,7 @@ struct TcpOptions {
   int ringSize = 1;
   int leftRank = 0, rightRank = 0;  // global ranks of the neighbours
   std::string secret;        // per-job secret from the store, checked in the handshake
-  double timeoutSec = 300;   // a transfer that makes no progress this long fails
+  double timeoutSec = kDefaultTimeoutSec;  // a transfer that makes no progress this long fails
   size_t segmentBytes = 256 << 10;  // unit of pipelining in allreduce and broadcast
   // A send stream of at least piecedStreamBytes goes to the kernel at most sendPieceBytes
   // per send() call (TcpRing::exchange says why); a shorter one as much as the socket takes.
