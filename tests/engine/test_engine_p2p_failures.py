@@ -2,7 +2,8 @@
 sends (silent or shut down) and a send that is never received raise CommunicatorFailedError
 within the timeout naming the peer and the tag, and fail the communicator; shutdown() with
 isend/irecv pending returns promptly and fails the pending work, also for a thread blocked
-in wait(). On shared memory and TCP."""
+in wait(); a send to a peer whose listener is gone fails at once (a refused connection)
+instead of retrying until the timeout. On shared memory and TCP."""
 
 from __future__ import annotations
 
@@ -123,3 +124,21 @@ def test_shutdown_with_pending_p2p_fails_it_without_hanging(hosts: str, transpor
         assert send_took < 3.0, f"rank {rank}: send.wait() took {send_took:.1f} s after shutdown()"
         wrong = [e for e in errors if e.endswith("returned") or "still blocks" in e]
         assert not wrong, f"rank {rank}: {errors}"
+
+
+def test_a_send_to_a_peer_that_left_fails_at_once() -> None:
+    def job(rank: int, comm: Any) -> str:
+        if rank == 1:
+            comm.shutdown()  # its listener closes: a connection is refused
+            return "left"
+        time.sleep(0.3)
+        start = time.monotonic()
+        with pytest.raises(Exception) as caught:
+            comm.send(torch.ones(4), 1, 5).wait()
+        elapsed = time.monotonic() - start
+        assert type(caught.value).__name__ == "CommunicatorFailedError", caught.value
+        assert elapsed < 2.0, f"{elapsed:.1f} s: retried instead of failing on a refused connection"
+        assert "rank 1" in str(caught.value) and "tag 5" in str(caught.value), caught.value
+        return "ok"
+
+    assert run_world(2, job, hosts="ab", transport="tcp", timeout=8) == ["ok", "left"]

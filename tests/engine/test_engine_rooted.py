@@ -1,6 +1,8 @@
-"""Issue #12's collectives on the engine, in process (tests/support/_world.py): reduce, gather and
+"""The rooted, all-to-all and fused collectives on the engine, in process (tests/support/_world.py): reduce, gather and
 scatter from every root, alltoall with uneven and empty splits, reduce_scatter with dim 0 not
-divisible by the world size (into a caller's tensor too), allreduce_many, prescale/postscale;
+divisible by the world size (into a caller's tensor too), alltoall from a rank that sends no
+rows but receives some, splits whose sum overflows int64 (a mismatch on every rank, and the next
+operation exact), allreduce_many, prescale/postscale;
 every dtype (int16 included, bool where the op moves data or takes MIN/MAX), sizes 0, 1, odd
 and multi-segment, at worlds 1-4 on shared memory, TCP and both. Inputs are small integers,
 so every result is exact; each rank computes the expected result from every rank's input with
@@ -234,3 +236,36 @@ def test_reduce_gather_scatter(layout: str) -> None:
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_alltoall_reduce_scatter_allreduce_many_scales(layout: str) -> None:
     _sweep(layout, _alltoall_reduce_scatter_many)
+
+
+# alltoall at its edges: a rank without rows, splits whose sum overflows int64.
+@pytest.mark.parametrize("transport,hosts", [("shm", "aa"), ("tcp", "ab")])
+def test_alltoall_from_a_rank_without_rows(transport: str, hosts: str) -> None:
+    def job(rank: int, comm: Any) -> tuple[list, list]:
+        t = torch.empty(0, 4) if rank == 0 else torch.arange(12, dtype=torch.float32).reshape(3, 4)
+        send = [0, 0] if rank == 0 else [3, 0]
+        recv = torch.zeros(2, dtype=torch.int64)
+        out = submit_op(comm, OpKind.ALLTOALL, t, send_splits=torch.tensor(send), recv_splits=recv).wait()
+        return out.tolist(), recv.tolist()
+
+    first, second = run_world(2, job, hosts=hosts, transport=transport, timeout=5)
+    assert first == (torch.arange(12, dtype=torch.float32).reshape(3, 4).tolist(), [0, 3])
+    assert second == ([], [0, 0])
+
+
+def test_alltoall_splits_whose_sum_overflows_fail_every_rank() -> None:
+    big = 2**63 - 1
+
+    def job(rank: int, comm: Any) -> str:
+        t = torch.zeros(4, 2) if rank == 0 else torch.zeros(3, 2)
+        send = [1, big, big] if rank == 0 else [1, 1, 1]
+        with pytest.raises(Exception) as caught:
+            submit_op(comm, OpKind.ALLTOALL, t, send_splits=torch.tensor(send),
+                      recv_splits=torch.zeros(3, dtype=torch.int64)).wait()
+        assert type(caught.value).__name__ == "CollectiveMismatchError", caught.value
+        after = torch.ones(2)
+        submit_op(comm, OpKind.ALLREDUCE, after).wait()
+        return str(caught.value) + f" | after {after.tolist()}"
+
+    for text in run_world(3, job, timeout=5):
+        assert "rank 0's send splits" in text and "after [3.0, 3.0]" in text, text

@@ -1,4 +1,4 @@
-"""Mismatches in issue #12's operations, in process (tests/support/_world.py): a rank whose reduce
+"""Mismatches in the rooted, all-to-all, fused and point-to-point operations, in process (tests/support/_world.py): a rank whose reduce
 root, gather/scatter shape, alltoall splits, row shape or dtype, uneven reduce_scatter rows or
 allreduce_many tensors differ from its peers', and a recv whose size differs from the send's.
 Every rank taking part gets CollectiveMismatchError naming the ranks and the numbers that
@@ -209,7 +209,7 @@ def _problem(err: str | None, odd: int | None, words: list[str], pair: bool = Tr
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_new_op_mismatches_fail_every_rank_and_leave_no_state(layout: str) -> None:
+def test_rooted_and_p2p_mismatches_fail_every_rank_and_leave_no_state(layout: str) -> None:
     hosts, transport, odd, pairs = LAYOUTS[layout]
     world = len(hosts)
     results = run_world(world, lambda r, c: _job(r, c, world, odd, pairs), hosts, transport,
