@@ -228,7 +228,7 @@ def launch(hosts: Sequence[tuple[str, int]], is_this_host: Callable[[str], bool]
     remote = next((h for (h, _), here in zip(hosts, local) if not here), None)
     master, port = master_address(hosts[0][0], local[0], remote), free_port(local[0])
     job, env, cwd = f"{os.getpid():x}{random.getrandbits(32):08x}", forwarded_env(os.environ), os.getcwd()
-    ssh = os.environ.get("TORCHRING_SSH") or None
+    ssh = Settings.from_env({"TORCHRING_SSH": os.environ.get("TORCHRING_SSH", "")}).ssh
     alive_s = _timeout_s(os.environ)  # a host silent as long as the ranks would wait is lost
     nodes: list[_Node] = []
     stop_signal: list[int] = []
