@@ -45,7 +45,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from .._core import build as _build
 from . import ssh as _ssh_launch, output as _output, threads as _threads
 from .. import build
-from .._core.settings import Settings
+from .._core.settings import DEFAULT_TIMEOUT_S, Settings
 
 __all__ = ["main", "torchrun_args", "rank_env", "parse_hosts", "local_slots"]
 
@@ -85,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     h.add_argument("-i", "--ssh-identity-file", default=None, help="the private key ssh logs in with (ssh -i)")
     h.add_argument("--start-timeout", type=_at_least(1e-3), default=None,
                    help="seconds ranks wait for each other at start (sets TORCHRING_TIMEOUT, which "
-                        "also bounds any collective that makes no progress; default 300)")
+                        f"also bounds any collective that makes no progress; default {DEFAULT_TIMEOUT_S:g})")
     h.add_argument("--verbose", action="store_true",
                    help="say what the launcher does; ranks log at debug level (HOROVOD_LOG_LEVEL=debug)")
     h.add_argument("--fusion-threshold-mb", type=_at_least(0), default=None,
