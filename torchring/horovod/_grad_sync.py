@@ -51,6 +51,7 @@ from .._wrap.buckets import assign
 from .._wrap.reducer import Reducer
 from . import _join_sync, basics, knobs, timeline
 from .compression import wire_dtype
+from .exceptions import to_horovod
 
 __all__ = ["GradSync", "Transport", "bucket_caps", "group_assignment", "sparse_reduce"]
 
@@ -294,7 +295,7 @@ class GradSync:
         try:
             return fn(*args)
         except TorchringError as exc:
-            err = basics.internal_error(exc)
+            err = to_horovod(exc)
             if err is exc:
                 raise
             raise err from exc
