@@ -219,7 +219,8 @@ _VARIABLES = (
     _Variable("TORCHRING_JOB_ID", "job_id", _word("a job name"), "(the launcher's run id)"),
     _Variable("TORCHRING_DEBUG_BUILD", "debug_build", switch, "0"),
     _Variable("TORCHRING_SSH", "ssh", text, "ssh"),
-    _Variable("TORCHRING_ELASTIC_DIR", "elastic_dir", text, "(a directory per run under the temporary directory)"),
+    _Variable("TORCHRING_ELASTIC_DIR", "elastic_dir", text,
+              "(a directory per run under the temporary directory)"),
 )
 # What cache_dir() reads.
 _PATH_VARIABLES = ("TORCHRING_CACHE_DIR", "XDG_CACHE_HOME", "HOME")

@@ -50,5 +50,5 @@ def communicator_failed(exc: BaseException) -> bool:
     if not isinstance(exc, HorovodInternalError):
         return False
     cause = exc.__cause__
-    usable = isinstance(cause, _errors.TorchringError) and not isinstance(cause, _errors.CommunicatorFailedError)
-    return not usable
+    failed = isinstance(cause, _errors.CommunicatorFailedError)
+    return failed or not isinstance(cause, _errors.TorchringError)

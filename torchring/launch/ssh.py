@@ -17,7 +17,7 @@ Cleanup: a node watches its stdin, the launcher's pipe (through ssh for a remote
 closes (the launcher stopped the job, exited, or was killed, or the ssh connection dropped), the
 node gives itself SIGTERM and torch's agent stops its ranks. When a node fails, the launcher
 closes every other node's stdin; the launcher's exit code is the first failing node's, which is
-its first failing rank's exit status (run._exit_code), not the 1 of torchrun.
+its first failing rank's exit status (failures.exit_code), not the 1 of torchrun.
 
 A pulled cable closes nothing: the default ssh command sends keepalives (ALIVE_INTERVAL_S apart)
 and gives up on a host silent for TORCHRING_TIMEOUT (ssh exits 255). The nodes cut off from the
