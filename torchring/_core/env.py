@@ -3,7 +3,7 @@
 Order: the torchrun contract (RANK, WORLD_SIZE, ...), then Open MPI, then PMI (MPICH,
 Intel MPI), then SLURM; with none of them the job is a single process. torchring's own
 variables (TORCHRING_*, including TORCHRING_JOB_ID, which overrides ``Launch.job_id``) are
-read by torchring._core.settings.
+read by settings.py, which also gives the messages here their shape.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import os
 import re
 import socket
 from dataclasses import dataclass
+
+from .settings import invalid
 
 DEFAULT_PORT = 29500
 
@@ -48,13 +50,15 @@ def source_address(host: str) -> str:
 
 
 def _int(env: dict, name: str) -> int | None:
+    """The launcher's variable `name` as an integer (None when unset or empty)."""
     value = env.get(name)
     if value is None or value == "":
         return None
     try:
         return int(value)
     except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} must be an integer") from None
+        raise invalid(name, value, "an integer", "the launcher sets it: fix the launch command or "
+                      "unset it") from None
 
 
 def _first_slurm_host(nodelist: str) -> str:

@@ -28,13 +28,13 @@ from typing import Any, Sequence
 import torch
 
 from .log import logger
-from .settings import Settings
+from .settings import DEFAULT_TIMEOUT_S, Settings
 
 _path = "none"
 _reason = "no CUDA device"
 _comm: Any = None  # the engine's NcclComm on the "nccl" path
 _device: torch.device | None = None
-_timeout = 300.0
+_timeout = DEFAULT_TIMEOUT_S
 
 
 def choose_device(setting: int | None, current: int, count: int, local_rank: int) -> int:

@@ -80,10 +80,6 @@ class Target:
         return (f"rank {self.world_rank} (rank {self.rank} of group {self.gid}, world ranks "
                 f"{ranks_text(self.ranks)}): torchring.{what}")
 
-    def world_of(self, group_rank: int) -> int:
-        """The world rank of a rank of this communicator."""
-        return self.ranks[group_rank]
-
 
 class GroupBase:
     """A group's identity and life (the public Group in groups.py adds the collectives)."""

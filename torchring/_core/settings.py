@@ -9,6 +9,9 @@ the value received, what is allowed, and what to do, e.g.
     TORCHRING_SHM_SEGMENT_KB='abc': expected an integer number of KiB in [4, 1048576]; unset it
     for the default 1024
 
+A switch (TORCHRING_DEBUG_BUILD, and hvd's HOROVOD_* switches, which use these parsers too) takes
+Horovod's rule: an integer, on above 0; or the words true/false, yes/no, on/off, any case.
+
 TORCHRING_SHM_CHUNK_KB, the earlier name of TORCHRING_SHM_SEGMENT_KB, still works (messages
 then name it); setting both to different values is an error.
 
@@ -27,13 +30,14 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 _WEEK = 7 * 24 * 3600
+DEFAULT_TIMEOUT_S = 300.0  # TORCHRING_TIMEOUT's default (torchring-run --start-timeout's too)
 
 
 @dataclass(frozen=True)
 class Settings:
     """Every TORCHRING_* setting; None means 'decided at init()' (see each field)."""
 
-    timeout: float = 300.0           # TORCHRING_TIMEOUT, seconds without progress before failing
+    timeout: float = DEFAULT_TIMEOUT_S  # TORCHRING_TIMEOUT, seconds without progress before failing
     transport: str = "auto"          # TORCHRING_TRANSPORT: auto, shm or tcp
     hostname: str | None = None      # TORCHRING_HOSTNAME: None = socket.gethostname()
     addr: str | None = None          # TORCHRING_ADDR: None = the local address routing to MASTER_ADDR
@@ -48,6 +52,8 @@ class Settings:
     device: int | None = None        # TORCHRING_DEVICE: None = torch's current device, else local rank
     job_id: str | None = None        # TORCHRING_JOB_ID: None = the launcher's run id
     debug_build: bool = False        # TORCHRING_DEBUG_BUILD: -O0 -g with ASan and UBSan
+    ssh: str | None = None           # TORCHRING_SSH: None = `ssh` (torchring-run -H's client command)
+    elastic_dir: str | None = None   # TORCHRING_ELASTIC_DIR: None = one per run under the temp dir
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Settings:
@@ -99,32 +105,38 @@ def _home(path: str, env: Mapping[str, str]) -> str:
     return os.path.expanduser(path)  # ~user/...
 
 
-def _fail(name: str, raw: str, expected: str, default: str) -> ValueError:
-    return ValueError(f"{name}={raw!r}: expected {expected}; unset it for the default {default}")
+def invalid(name: str, raw: str, expected: str, fix: str) -> ValueError:
+    """The one message shape for a variable that does not parse: name, value, what is allowed, what to do."""
+    return ValueError(f"{name}={raw!r}: expected {expected}; {fix}")
 
 
-def _number(name: str, raw: str, default: str, convert: Callable[[str], Any],
-            allowed: Callable[[Any], bool], expected: str) -> Any:
+def fail(name: str, raw: str, expected: str, default: str) -> ValueError:
+    """`invalid` for a setting: what to do is to unset it for its `default`."""
+    return invalid(name, raw, expected, f"unset it for the default {default}")
+
+
+def number(name: str, raw: str, default: str, convert: Callable[[str], Any],
+           allowed: Callable[[Any], bool], expected: str) -> Any:
     """`raw` converted, if it converts and the result is allowed; else the one message shape."""
     try:
         value = convert(raw)
     except ValueError:
-        raise _fail(name, raw, expected, default) from None
+        raise fail(name, raw, expected, default) from None
     if not allowed(value):
-        raise _fail(name, raw, expected, default)
+        raise fail(name, raw, expected, default)
     return value
 
 
 def _integer(lo: int, hi: int, unit: str) -> Callable[[str, str, str], int]:
     def parse(name: str, raw: str, default: str) -> int:
-        return _number(name, raw, default, int, lambda v: lo <= v <= hi,
-                       f"an integer {unit} in [{lo}, {hi}]")
+        return number(name, raw, default, int, lambda v: lo <= v <= hi,
+                      f"an integer {unit} in [{lo}, {hi}]")
     return parse
 
 
 def _seconds(name: str, raw: str, default: str) -> float:
-    return _number(name, raw, default, float, lambda v: math.isfinite(v) and 0 < v <= _WEEK,
-                   f"a number of seconds > 0 and at most {_WEEK} (a week)")
+    return number(name, raw, default, float, lambda v: math.isfinite(v) and 0 < v <= _WEEK,
+                  f"a number of seconds > 0 and at most {_WEEK} (a week)")
 
 
 def _pool_mb(name: str, raw: str, default: str) -> float | None:
@@ -133,15 +145,16 @@ def _pool_mb(name: str, raw: str, default: str) -> float | None:
         return None
     if lowered == "off":
         return 0.0
-    return _number(name, raw, default, float, lambda v: math.isfinite(v) and 0 <= v <= 1 << 20,
-                   "'auto', 'off' or 0 (no pool), or a number of MiB in [0, 1048576]")
+    return number(name, raw, default, float, lambda v: math.isfinite(v) and 0 <= v <= 1 << 20,
+                  "'auto', 'off' or 0 (no pool), or a number of MiB in [0, 1048576]")
 
 
-def _choice(*choices: str) -> Callable[[str, str, str], str]:
+def choice(*choices: str) -> Callable[[str, str, str], str]:
+    """A parser taking one of `choices`, in any case (it returns the lower-case word)."""
     def parse(name: str, raw: str, default: str) -> str:
         value = raw.lower()
         if value not in choices:
-            raise _fail(name, raw, "one of " + ", ".join(choices), default)
+            raise fail(name, raw, "one of " + ", ".join(choices), default)
         return value
     return parse
 
@@ -149,12 +162,13 @@ def _choice(*choices: str) -> Callable[[str, str, str], str]:
 def _word(what: str) -> Callable[[str, str, str], str]:
     def parse(name: str, raw: str, default: str) -> str:
         if any(c.isspace() for c in raw):
-            raise _fail(name, raw, f"{what} without spaces", default)
+            raise fail(name, raw, f"{what} without spaces", default)
         return raw
     return parse
 
 
-def _text(name: str, raw: str, default: str) -> str:
+def text(name: str, raw: str, default: str) -> str:
+    """Any text, as it is (a path, a command line)."""
     return raw
 
 
@@ -162,15 +176,21 @@ def _ipv4(name: str, raw: str, default: str) -> str:
     try:
         ipaddress.IPv4Address(raw)
     except ValueError:
-        raise _fail(name, raw, "a local IPv4 address such as 198.18.0.1 (the TCP ring listens on IPv4)",
-                    default) from None
+        raise fail(name, raw, "a local IPv4 address such as 198.18.0.1 (the TCP ring listens on IPv4)",
+                   default) from None
     return raw
 
 
-def _flag(name: str, raw: str, default: str) -> bool:
-    if raw not in ("0", "1"):
-        raise _fail(name, raw, "0 or 1", default)
-    return raw == "1"
+_ON, _OFF = ("true", "yes", "on"), ("false", "no", "off")
+
+
+def switch(name: str, raw: str, default: str) -> bool:
+    """On or off by Horovod's rule (an integer, on above 0), or true/false, yes/no, on/off."""
+    word = raw.lower()
+    if word in _ON or word in _OFF:
+        return word in _ON
+    return number(name, raw, default, int, lambda v: True,
+                  "1 or 0 (an integer: on above 0), or true/false, yes/no, on/off") > 0
 
 
 @dataclass(frozen=True)
@@ -182,22 +202,25 @@ class _Variable:
 
 
 _VARIABLES = (
-    _Variable("TORCHRING_TIMEOUT", "timeout", _seconds, "300"),
-    _Variable("TORCHRING_TRANSPORT", "transport", _choice("auto", "shm", "tcp"), "auto"),
+    _Variable("TORCHRING_TIMEOUT", "timeout", _seconds, f"{DEFAULT_TIMEOUT_S:g}"),
+    _Variable("TORCHRING_TRANSPORT", "transport", choice("auto", "shm", "tcp"), "auto"),
     _Variable("TORCHRING_HOSTNAME", "hostname", _word("a host identity"), "(this host's name)"),
     _Variable("TORCHRING_ADDR", "addr", _word("a host name or IP address"), "(the route to MASTER_ADDR)"),
     _Variable("TORCHRING_BIND_ADDR", "bind_addr", _ipv4, "(all interfaces)"),
     _Variable("TORCHRING_SHM_SEGMENT_KB", "shm_segment_kb", _integer(4, 1 << 20, "number of KiB"), "1024"),
     _Variable("TORCHRING_SHM_ARENA_MB", "shm_arena_mb", _integer(0, 1 << 20, "number of MiB"), "2048"),
-    _Variable("TORCHRING_SHM_STORES", "shm_stores", _choice("auto", "cached", "streaming"), "auto"),
+    _Variable("TORCHRING_SHM_STORES", "shm_stores", choice("auto", "cached", "streaming"), "auto"),
     _Variable("TORCHRING_SPIN", "spin", _integer(0, 10 ** 8, "number of iterations"),
               "(20000, or 0 when ranks outnumber cores)"),
     _Variable("TORCHRING_GRAD_POOL_MB", "grad_pool_mb", _pool_mb, "auto"),
-    _Variable("TORCHRING_CACHE_DIR", "cache_dir", _text, "~/.cache/torchring"),
-    _Variable("TORCHRING_CUDA_PATH", "cuda_path", _choice("auto", "nccl", "staged", "off"), "auto"),
+    _Variable("TORCHRING_CACHE_DIR", "cache_dir", text, "~/.cache/torchring"),
+    _Variable("TORCHRING_CUDA_PATH", "cuda_path", choice("auto", "nccl", "staged", "off"), "auto"),
     _Variable("TORCHRING_DEVICE", "device", _integer(0, 1023, "CUDA device index"), "(the local rank)"),
     _Variable("TORCHRING_JOB_ID", "job_id", _word("a job name"), "(the launcher's run id)"),
-    _Variable("TORCHRING_DEBUG_BUILD", "debug_build", _flag, "0"),
+    _Variable("TORCHRING_DEBUG_BUILD", "debug_build", switch, "0"),
+    _Variable("TORCHRING_SSH", "ssh", text, "ssh"),
+    _Variable("TORCHRING_ELASTIC_DIR", "elastic_dir", text,
+              "(a directory per run under the temporary directory)"),
 )
 # What cache_dir() reads.
 _PATH_VARIABLES = ("TORCHRING_CACHE_DIR", "XDG_CACHE_HOME", "HOME")

@@ -49,6 +49,7 @@ from .._wrap.hooks import LOCK, GradHooks
 from .._wrap.reducer import BUCKET_CAP_BYTES, FIRST_BUCKET_CAP_BYTES, Reducer
 from . import _join_sync, basics, knobs, timeline
 from .compression import wire_dtype
+from .exceptions import to_horovod
 
 __all__ = ["GradSync", "Transport", "bucket_caps", "group_assignment", "sparse_reduce"]
 
@@ -195,7 +196,7 @@ def _hvd_errors(fn: Any, *args: Any) -> Any:
     try:
         return fn(*args)
     except TorchringError as exc:
-        err = basics.internal_error(exc)
+        err = to_horovod(exc)
         if err is exc:
             raise
         raise err from exc

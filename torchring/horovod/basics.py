@@ -1,4 +1,4 @@
-"""Horovod's basics on torchring: the job's shape, what was built, op constants, the error type.
+"""Horovod's basics on torchring: the job's shape, what was built, op constants.
 
 (hvd.init() and hvd.shutdown() are in runtime.py, above the process sets.) Ranks launched by torchring-run or torchrun also see
 horovodrun's variables (``HOROVOD_RANK``, ``HOROVOD_SIZE``, ``HOROVOD_LOCAL_RANK``,
@@ -11,8 +11,9 @@ import os
 
 import torch
 
-from .._core import build as _build, context as _context, errors as _errors
+from .._core import build as _build, context as _context
 from .._core.types import ReduceOp
+from .exceptions import HorovodInternalError
 
 __all__ = ["is_initialized", "size", "rank", "local_size", "local_rank",
            "cross_size", "cross_rank", "mpi_built", "gloo_built", "nccl_built", "ddl_built",
@@ -24,10 +25,6 @@ __all__ = ["is_initialized", "size", "rank", "local_size", "local_rank",
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
 _NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max", Product: "Product"}
 _ENGINE_OPS = {Sum: ReduceOp.SUM, Min: ReduceOp.MIN, Max: ReduceOp.MAX, Product: ReduceOp.PRODUCT}
-
-
-class HorovodInternalError(RuntimeError):
-    """A collective failed: a peer died, a timeout expired, or ranks disagreed on an operation."""
 
 
 def op_name(op: int) -> str:
@@ -166,14 +163,4 @@ def gloo_enabled() -> bool:
 def mpi_threads_supported() -> bool:
     """False: there is no MPI (kept for scripts that ask)."""
     return False
-
-
-# Engine failures reach Horovod users as HorovodInternalError (see ops); the mapping lives here.
-def internal_error(exc: BaseException) -> BaseException:
-    """The exception Horovod's users expect for an engine failure `exc` (ValueError etc. pass)."""
-    if isinstance(exc, _errors.TorchringError) and not isinstance(exc, HorovodInternalError):
-        err = HorovodInternalError(str(exc))
-        err.__cause__ = exc
-        return err
-    return exc
 

@@ -19,9 +19,9 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from .._core import errors as _errors
 from .._core.types import DTYPES
 from . import basics
+from .exceptions import to_horovod
 from .process_sets import ProcessSet, global_process_set
 
 try:  # Horovod pickles with cloudpickle; use it when the user has it
@@ -35,11 +35,11 @@ __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_objec
 
 @contextlib.contextmanager
 def _engine_errors() -> Iterator[None]:
-    """Engine failures reach the caller as HorovodInternalError, as Horovod raises them."""
+    """Failures reach the caller as Horovod raises them (exceptions.to_horovod)."""
     try:
         yield
-    except _errors.TorchringError as exc:
-        raise basics.internal_error(exc) from exc
+    except RuntimeError as exc:
+        raise to_horovod(exc)  # noqa: B904 (to_horovod sets the cause, or returns exc itself)
 
 
 def _group_of(process_set: ProcessSet, what: str) -> Any:

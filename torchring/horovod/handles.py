@@ -15,9 +15,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .._core import errors as _errors
 from . import timeline
-from .basics import HorovodInternalError
+from .exceptions import to_horovod
 from .negotiator import Done, Entry
 
 __all__ = ["Done", "add", "poll", "synchronize", "wait_entry", "clear"]
@@ -62,28 +61,16 @@ def poll(handle: int) -> bool:
     return entry.error is not None or entry.result.is_completed()
 
 
-def _internal(exc: BaseException) -> BaseException:
-    """How a failure reaches Horovod's users: misuse stays a ValueError/TypeError, the rest is
-    HorovodInternalError (a RuntimeError), with the engine's message."""
-    if isinstance(exc, (ValueError, TypeError, NotImplementedError, HorovodInternalError)):
-        return exc
-    if isinstance(exc, (_errors.TorchringError, RuntimeError)):
-        err = HorovodInternalError(str(exc))
-        err.__cause__ = exc
-        return err
-    return exc
-
-
 def wait_entry(entry: Entry) -> Any:
     """The engine output of `entry` (waits for negotiation, then for the engine)."""
     while not entry.done.wait(0.5):
         pass
     if entry.error is not None:
-        raise _internal(entry.error)
+        raise to_horovod(entry.error)
     try:
         return entry.result.wait()
     except BaseException as exc:
-        raise _internal(exc) from None
+        raise to_horovod(exc)  # noqa: B904 (to_horovod sets the cause, or returns exc itself)
 
 
 def synchronize(handle: int) -> Any:

@@ -15,9 +15,11 @@ HOROVOD_DYNAMIC_PROCESS_SETS just before it asks), with Horovod's defaults:
     HOROVOD_DYNAMIC_PROCESS_SETS          add/remove sets after init    0
     HOROVOD_LOG_LEVEL                     torchring logger's level      unset (logger unchanged)
 
-An empty value counts as unset. Switches take an integer (above 0 means on, as in Horovod)
-or true/false/yes/no/on/off. A value that does not parse is a ValueError naming the variable,
-the value, what is allowed and the default, where Horovod would silently read a 0.
+The values are parsed by torchring's settings parsers (_core/settings.py), so both families
+follow one set of rules: an empty value counts as unset; a switch takes an integer (above 0
+means on, as in Horovod) or true/false, yes/no, on/off; a value that does not parse is a
+ValueError naming the variable, the value, what is allowed and the default, where Horovod
+would silently read a 0.
 ``report_unused()`` (called by ``hvd.init()``) logs every other HOROVOD_* variable that is
 set, and why torchring does not apply it.
 """
@@ -32,6 +34,7 @@ from typing import Any, Callable, Mapping
 
 from .._core import context as _context
 from .._core.log import logger
+from .._core.settings import choice, number, switch, text
 
 __all__ = ["Knobs", "current", "unused", "report_unused", "DEFAULT_FUSION_THRESHOLD"]
 
@@ -55,70 +58,30 @@ class Knobs:
     log_level: str | None = None  # trace, debug, info, warning, error or fatal
 
 
-def _fail(name: str, raw: str, expected: str, default: str) -> ValueError:
-    return ValueError(f"{name}={raw!r}: expected {expected}; unset it for the default {default}")
-
-
 def _count(name: str, raw: str, default: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise _fail(name, raw, "a whole number >= 0", default)
-    return value
+    return number(name, raw, default, int, lambda v: v >= 0, "a whole number >= 0")
 
 
 def _amount(name: str, raw: str, default: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not (math.isfinite(value) and value >= 0):
-        raise _fail(name, raw, "a number >= 0", default)
-    return value
-
-
-_TRUE, _FALSE = {"true", "yes", "on"}, {"false", "no", "off"}
-
-
-def _switch(name: str, raw: str, default: str) -> bool:
-    word = raw.lower()
-    if word in _TRUE or word in _FALSE:
-        return word in _TRUE
-    try:
-        return int(raw) > 0
-    except ValueError:
-        raise _fail(name, raw, "1 or 0 (or true/false)", default) from None
-
-
-def _text(name: str, raw: str, default: str) -> str:
-    return raw
+    return number(name, raw, default, float, lambda v: math.isfinite(v) and v >= 0, "a number >= 0")
 
 
 _LEVELS = {"trace": logging.DEBUG, "debug": logging.DEBUG, "info": logging.INFO,
            "warning": logging.WARNING, "error": logging.ERROR, "fatal": logging.CRITICAL}
-
-
-def _level(name: str, raw: str, default: str) -> str:
-    word = raw.lower()
-    if word not in _LEVELS:
-        raise _fail(name, raw, "one of " + ", ".join(_LEVELS), default)
-    return word
-
+_level = choice(*_LEVELS)
 
 # variable -> (Knobs field, parser, the default as messages name it)
 _APPLIED: dict[str, tuple[str, Callable[[str, str, str], Any], str]] = {
     "HOROVOD_FUSION_THRESHOLD": ("fusion_threshold_bytes", _count, str(DEFAULT_FUSION_THRESHOLD)),
     "HOROVOD_CYCLE_TIME": ("cycle_time_ms", _amount, "1"),
     "HOROVOD_CACHE_CAPACITY": ("cache_capacity", _count, "1024"),
-    "HOROVOD_STALL_CHECK_DISABLE": ("stall_check", _switch, "0"),
+    "HOROVOD_STALL_CHECK_DISABLE": ("stall_check", switch, "0"),
     "HOROVOD_STALL_CHECK_TIME_SECONDS": ("stall_warning_s", _amount, "60"),
     "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": ("stall_shutdown_s", _amount, "0"),
-    "HOROVOD_TIMELINE": ("timeline", _text, "(no timeline)"),
-    "HOROVOD_TIMELINE_MARK_CYCLES": ("timeline_mark_cycles", _switch, "0"),
-    "HOROVOD_ELASTIC": ("elastic", _switch, "0"),
-    "HOROVOD_DYNAMIC_PROCESS_SETS": ("dynamic_process_sets", _switch, "0"),
+    "HOROVOD_TIMELINE": ("timeline", text, "(no timeline)"),
+    "HOROVOD_TIMELINE_MARK_CYCLES": ("timeline_mark_cycles", switch, "0"),
+    "HOROVOD_ELASTIC": ("elastic", switch, "0"),
+    "HOROVOD_DYNAMIC_PROCESS_SETS": ("dynamic_process_sets", switch, "0"),
     "HOROVOD_LOG_LEVEL": ("log_level", _level, "(torchring's logger unchanged)"),
 }
 

@@ -37,7 +37,7 @@ from typing import Any, Callable
 import torch
 
 from .._core import log as _log
-from .._core.errors import WaitTimeoutError
+from .._core.errors import CollectiveMismatchError, TorchringError, WaitTimeoutError
 from .._core.types import OpKind
 from . import timeline
 
@@ -166,7 +166,7 @@ class Negotiator:
             if self._failure is not None:
                 raise self._failure
             if self._stopping:
-                raise RuntimeError(f"rank {self._me}: {name}: Horovod is shutting down")
+                raise TorchringError(f"rank {self._me}: {name}: Horovod is shutting down")
             if name in self._mine:
                 raise ValueError(f"rank {self._me}: an operation named {name!r} is already in flight "
                                  f"on process set {self._set_id}; wait for it (hvd.synchronize) or "
@@ -182,8 +182,8 @@ class Negotiator:
             self._stopping = True
             self._lock.notify_all()
         self._thread.join(timeout=5)
-        self._fail_all(RuntimeError(f"rank {self._me}: Horovod was shut down (process set "
-                                    f"{self._set_id}) before this operation ran"))
+        self._fail_all(TorchringError(f"rank {self._me}: Horovod was shut down (process set "
+                                      f"{self._set_id}) before this operation ran"))
 
     # ------------------------------------------------------------------ the thread
     def _loop(self) -> None:
@@ -243,9 +243,9 @@ class Negotiator:
                 return handle.wait(timeout=1.0)
             except WaitTimeoutError:
                 if self._stopping:  # hvd.shutdown() here while peers never came: give up now
-                    raise RuntimeError(f"rank {self._me}: Horovod was shut down (process set "
-                                       f"{self._set_id}) while a negotiation round waited for "
-                                       "other ranks") from None
+                    raise TorchringError(f"rank {self._me}: Horovod was shut down (process set "
+                                         f"{self._set_id}) while a negotiation round waited for "
+                                         "other ranks") from None
                 self._check_stalls()
 
     def _run_round(self, new: list[Request]) -> bool:
@@ -294,7 +294,7 @@ class Negotiator:
         why = validate(requests, joined)
         if why is not None:
             if entry is not None:
-                entry.resolve(error=RuntimeError(
+                entry.resolve(error=CollectiveMismatchError(
                     f"rank {self._me}: {kind} {name!r} on process set {self._set_id} cannot run: "
                     f"{why}; every rank must issue the same operation under one name"))
             return

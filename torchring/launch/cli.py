@@ -31,21 +31,18 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import socket
 import sys
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch.distributed.run as torchrun
-from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from .._core import build as _build
-from . import ssh as _ssh_launch, output as _output, threads as _threads
+from . import failures as _failures, ssh as _ssh_launch, output as _output, threads as _threads
 from .. import build
-from .._core.settings import Settings
+from .._core.settings import DEFAULT_TIMEOUT_S, Settings
 
 __all__ = ["main", "torchrun_args", "rank_env", "parse_hosts", "local_slots"]
 
@@ -85,7 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     h.add_argument("-i", "--ssh-identity-file", default=None, help="the private key ssh logs in with (ssh -i)")
     h.add_argument("--start-timeout", type=_at_least(1e-3), default=None,
                    help="seconds ranks wait for each other at start (sets TORCHRING_TIMEOUT, which "
-                        "also bounds any collective that makes no progress; default 300)")
+                        f"also bounds any collective that makes no progress; default {DEFAULT_TIMEOUT_S:g})")
     h.add_argument("--verbose", action="store_true",
                    help="say what the launcher does; ranks log at debug level (HOROVOD_LOG_LEVEL=debug)")
     h.add_argument("--fusion-threshold-mb", type=_at_least(0), default=None,
@@ -237,16 +234,7 @@ def torchrun_args(args: argparse.Namespace) -> list[str]:
     """The torch.distributed.run command line that carries out `args`."""
     out = ["--standalone", f"--nproc-per-node={args.num_proc}", f"--max-restarts={args.max_restarts}",
            f"--monitor-interval={args.monitor_interval}", f"--rdzv-id={uuid.uuid4().hex[:12]}"]
-    return out + _command(args.script, list(args.script_args))  # output: _rank_output(args)
-
-
-def _rank_output(args: argparse.Namespace,
-                 label: Callable[[dict[str, str]], str] = _output.rank_label) -> _output.RankOutput | None:
-    """Who shows the ranks' output: None (--no-prefix: the ranks write to this terminal
-    directly), rank 0 alone unprefixed (--rank0-only), or every rank prefixed with `label`."""
-    if args.no_prefix and not args.rank0_only:
-        return None
-    return _output.RankOutput(label=label, only_rank0=args.rank0_only)
+    return out + _command(args.script, list(args.script_args))  # output: output.rank_output(args)
 
 
 def _resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -295,34 +283,6 @@ def _be_verbose(env: dict[str, str], command: list[str]) -> None:
         logging.basicConfig(format="torchring-run: %(name)s: %(message)s")
 
 
-def _first_failure(error: BaseException) -> tuple[int, Any] | None:
-    """(rank, failure) of the rank that failed on its own first. Ranks that torch's agent
-    stopped with SIGTERM after the failure come last; timestamps only have 1 s resolution."""
-    failures = getattr(error, "failures", None) or {}
-    if not failures:
-        return None
-    stopped = -signal.SIGTERM
-    return min(failures.items(), key=lambda kv: (getattr(kv[1], "exitcode", 1) == stopped,
-                                                 getattr(kv[1], "timestamp", 0), kv[0]))
-
-
-def _exit_code(error: BaseException) -> int:
-    """The first failing rank's exit status, shell style (128+N for a signal N)."""
-    first = _first_failure(error)
-    code = int(getattr(first[1], "exitcode", 1) or 1) if first else 1
-    return 128 - code if code < 0 else code
-
-
-def _describe_failure(error: BaseException) -> str:
-    first = _first_failure(error)
-    if first is None:
-        return "a rank failed"
-    rank, failure = first
-    code = getattr(failure, "exitcode", "?")
-    how = f"killed by signal {-code}" if isinstance(code, int) and code < 0 else f"exit code {code}"
-    return f"rank {rank} failed first ({how})"
-
-
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
     parser = _parser()
@@ -343,20 +303,11 @@ def main(argv: list[str] | None = None) -> int:
         _be_verbose(env, command)
     _build.load()  # build once here, not in N ranks at once
     launch = torchrun.get_args_parser().parse_args(command)
-    try:
-        _output.launch(launch, _rank_output(args))
-    except ChildFailedError as error:
-        code = _exit_code(error)
-        print(f"torchring-run: the job failed: {_describe_failure(error)}; its "
-              "output is above" + ("" if not args.rank0_only else " if it was rank 0 (--rank0-only)"),
-              file=sys.stderr)
-        return code
-    except SignalException as stop:  # torch's agent turns SIGINT/SIGTERM into this
-        print(f"torchring-run: stopped by signal {stop.sigval}; every rank was stopped", file=sys.stderr)
-        return 128 + int(stop.sigval)
-    except KeyboardInterrupt:
-        return 128 + signal.SIGINT
-    return 0
+    where = "" if not args.rank0_only else " if it was rank 0 (--rank0-only)"
+    return _failures.run_agent(
+        launch, _output.rank_output(args),
+        failed=lambda what: f"torchring-run: the job failed: {what}; its output is above{where}",
+        stopped=lambda sig: f"torchring-run: stopped by signal {sig}; every rank was stopped")
 
 
 if __name__ == "__main__":

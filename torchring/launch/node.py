@@ -1,8 +1,8 @@
 """One host's part of a `torchring-run -H` job, started by torchring/_ssh_launch.py (directly
 or over ssh): torch's elastic agent with the static rendezvous (node rank = the host's place in
 -H), lines prefixed [host:global rank]: (torchring/_output.py), stopped when its stdin (the
-launcher's pipe) closes, exit code the first failing rank's (torchring.run's rule), not the 1
-of torchrun.
+launcher's pipe) closes, exit code the first failing rank's (failures.py, as torchring-run on
+one host), not the 1 of torchrun.
 
 A safety net: once every local rank has exited and one failed, torch's agent has AGENT_GRACE_S to
 return; if it has not (stuck on a store whose host is unreachable, as torchrun's c10d rendezvous
@@ -21,11 +21,9 @@ from typing import Any, Mapping, Sequence
 
 import torch.distributed.run as torchrun
 from torch.distributed.elastic.agent.server import local_elastic_agent
-from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from .._core import build as _build
-from . import output as _output, threads as _threads, cli as run
+from . import failures as _failures, output as _output, threads as _threads
 from .._core.settings import Settings
 
 __all__ = ["node_main", "AGENT_GRACE_S"]
@@ -114,13 +112,13 @@ def _watch_ranks(contexts: list[Any], host: str, grace_s: float) -> None:
                 os.killpg(handler.proc.pid, signal.SIGKILL)
             except OSError:
                 pass
-        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-        print(f"torchring-run: {host}: rank {rank} failed first ({how}) and every rank here has "
-              f"exited, but torch's agent had not returned {grace_s:.0f} s later (likely waiting on the "
-              "rendezvous store of an unreachable first host): this host's part ends here", file=sys.stderr)
+        print(f"torchring-run: {host}: rank {rank} failed first ({_failures.how_it_ended(code)}) and "
+              f"every rank here has exited, but torch's agent had not returned {grace_s:.0f} s later "
+              "(likely waiting on the rendezvous store of an unreachable first host): this host's "
+              "part ends here", file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(128 - code if code < 0 else code)
+        os._exit(_failures.shell_code(code))
 
 
 def _start_timeout(env: Mapping[str, str]) -> int:
@@ -138,7 +136,7 @@ def node_main(argv: Sequence[str] | None = None) -> int:
                    "--rdzv-backend=static", f"--master-addr={args.master}", f"--master-port={args.port}",
                    f"--rdzv-id={args.job}", "--max-restarts=0", f"--monitor-interval={args.monitor_interval}",
                    f"--rdzv-conf=timeout={_start_timeout(os.environ)}"]
-    output = run._rank_output(args, label=lambda env: f"[{args.host}:{env.get('RANK', '?')}]: ")
+    output = _output.rank_output(args, label=lambda env: f"[{args.host}:{env.get('RANK', '?')}]: ")
     threads = _threads.set_rank_threads(os.environ, args.nproc)
     if threads:
         print(threads.replace("torchring-run:", f"torchring-run: {args.host}:", 1), file=sys.stderr)
@@ -146,16 +144,8 @@ def node_main(argv: Sequence[str] | None = None) -> int:
     contexts = _capture_rank_processes()
     threading.Thread(target=_watch_ranks, args=(contexts, args.host, AGENT_GRACE_S), daemon=True,
                      name="torchring-rank-watch").start()
-    try:
-        _output.launch(torchrun.get_args_parser().parse_args(launch_args + command), output)
-    except ChildFailedError as error:
-        print(f"torchring-run: {args.host}: {run._describe_failure(error)}", file=sys.stderr)
-        return run._exit_code(error)
-    except SignalException as stop:
-        return 128 + int(stop.sigval)
-    except KeyboardInterrupt:
-        return 128 + signal.SIGINT
-    return 0
+    return _failures.run_agent(torchrun.get_args_parser().parse_args(launch_args + command), output,
+                               failed=lambda what: f"torchring-run: {args.host}: {what}")
 
 
 if __name__ == "__main__":

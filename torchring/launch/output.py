@@ -26,7 +26,7 @@ import torch.distributed.run as torchrun
 from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, LogsDest, Std
 from torch.distributed.launcher.api import elastic_launch
 
-__all__ = ["prefix_chunk", "rank_label", "Console", "RankOutput", "launch"]
+__all__ = ["prefix_chunk", "rank_label", "Console", "RankOutput", "rank_output", "launch"]
 
 _POLL_S = 0.05
 
@@ -202,6 +202,15 @@ class RankOutput(DefaultLogsSpecs):
         for stream in self._streams:
             stream.close()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def rank_output(args: argparse.Namespace,
+                label: Callable[[dict[str, str]], str] = rank_label) -> RankOutput | None:
+    """Who shows the ranks' output for `args` (--no-prefix, --rank0-only): None (the ranks write
+    to this terminal directly), rank 0 alone unprefixed, or every rank prefixed with `label`."""
+    if args.no_prefix and not args.rank0_only:
+        return None
+    return RankOutput(label=label, only_rank0=args.rank0_only)
 
 
 def _consoles() -> tuple[Console, Console]:

@@ -17,7 +17,7 @@ Cleanup: a node watches its stdin, the launcher's pipe (through ssh for a remote
 closes (the launcher stopped the job, exited, or was killed, or the ssh connection dropped), the
 node gives itself SIGTERM and torch's agent stops its ranks. When a node fails, the launcher
 closes every other node's stdin; the launcher's exit code is the first failing node's, which is
-its first failing rank's exit status (run._exit_code), not the 1 of torchrun.
+its first failing rank's exit status (failures.exit_code), not the 1 of torchrun.
 
 A pulled cable closes nothing: the default ssh command sends keepalives (ALIVE_INTERVAL_S apart)
 and gives up on a host silent for TORCHRING_TIMEOUT (ssh exits 255). The nodes cut off from the
@@ -228,7 +228,7 @@ def launch(hosts: Sequence[tuple[str, int]], is_this_host: Callable[[str], bool]
     remote = next((h for (h, _), here in zip(hosts, local) if not here), None)
     master, port = master_address(hosts[0][0], local[0], remote), free_port(local[0])
     job, env, cwd = f"{os.getpid():x}{random.getrandbits(32):08x}", forwarded_env(os.environ), os.getcwd()
-    ssh = os.environ.get("TORCHRING_SSH") or None
+    ssh = Settings.from_env({"TORCHRING_SSH": os.environ.get("TORCHRING_SSH", "")}).ssh
     alive_s = _timeout_s(os.environ)  # a host silent as long as the ranks would wait is lost
     nodes: list[_Node] = []
     stop_signal: list[int] = []

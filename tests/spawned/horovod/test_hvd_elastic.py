@@ -44,7 +44,8 @@ def _snapshot(state: Any) -> dict[str, Any]:
 
 
 def _commit_and_restore(rank: int) -> dict[str, Any]:
-    from torchring.horovod import elastic, runtime
+    from torchring._core.errors import CollectiveMismatchError
+    from torchring.horovod import elastic, exceptions, runtime
     runtime.init()
     model, opt, sampler = _objects(seed=1)
     state = elastic.TorchState(model, opt, sampler=sampler, epoch=0, note="start")
@@ -81,6 +82,17 @@ def _commit_and_restore(rank: int) -> dict[str, Any]:
         fails(state)
     assert state.epoch == 1
     assert all(torch.equal(v, committed["model"][k]) for k, v in model.state_dict().items())
+
+    # a mismatch left the communicator usable: it reaches the caller, nothing is restored
+    @elastic.run
+    def disagrees(state: Any) -> None:
+        state.epoch = 6
+        raise exceptions.to_horovod(CollectiveMismatchError("rank 1 sent [4]"))
+
+    with pytest.raises(runtime.basics.HorovodInternalError, match=r"rank 1 sent \[4\]"):
+        disagrees(state)
+    assert state.epoch == 6
+    state.restore()
 
     # HostsUpdatedInterrupt (raised by user code here) resets in place: re-init, callbacks, again
     resets: list[int] = []

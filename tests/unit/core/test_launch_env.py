@@ -80,8 +80,10 @@ def test_bad_launcher_variables() -> None:
         _env.detect({"WORLD_SIZE": "2"})
     with pytest.raises(ValueError, match=r"outside \[0, 2\)"):
         _env.detect({"WORLD_SIZE": "2", "RANK": "2"})
-    with pytest.raises(ValueError, match="WORLD_SIZE='two' must be an integer"):
+    with pytest.raises(ValueError) as caught:  # the settings' message shape: name, value, allowed, fix
         _env.detect({"WORLD_SIZE": "two", "RANK": "0"})
+    assert str(caught.value) == ("WORLD_SIZE='two': expected an integer; the launcher sets it: fix the "
+                                 "launch command or unset it")
     with pytest.raises(ValueError, match="MASTER_ADDR"):
         _env.detect({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "8",
                      "OMPI_COMM_WORLD_LOCAL_SIZE": "4"})

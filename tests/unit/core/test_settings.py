@@ -1,5 +1,7 @@
-"""torchring._core.settings: every TORCHRING_* variable's default, good values, and each bad value's
-message (name, value received, what is allowed, what to do)."""
+"""torchring._core.settings: every TORCHRING_* variable's default, good values, and each bad
+value's message (name, value received, what is allowed, what to do). hvd's HOROVOD_* knobs use
+the same parsers, so the rules both families share (switches, empty values, the message shape)
+are tested here once for both; test_hvd_knobs.py tests the knobs' own table."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ from pathlib import Path
 import pytest
 
 import torchring
-from torchring._core.settings import VARIABLES, Settings, cache_dir
+from torchring._core.settings import DEFAULT_TIMEOUT_S, VARIABLES, Settings, cache_dir
+from torchring.horovod import knobs
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -17,8 +20,16 @@ ROOT = Path(__file__).resolve().parents[3]
 README_DEFAULTS = {
     "timeout": 300.0, "transport": "auto", "hostname": None, "addr": None, "bind_addr": None,
     "shm_segment_kb": 1024, "shm_arena_mb": 2048, "spin": None, "grad_pool_mb": None,
-    "cuda_path": "auto", "device": None, "job_id": None, "debug_build": False,
+    "cuda_path": "auto", "device": None, "job_id": None, "debug_build": False, "ssh": None,
+    "elastic_dir": None,
 }
+
+
+def _read(name: str, raw: str) -> object:
+    """`name`=`raw` parsed by the family it belongs to: Settings or hvd's Knobs."""
+    if name.startswith("HOROVOD_"):
+        return knobs.current({name: raw})
+    return Settings.from_env({name: raw})
 
 
 def test_settings_mirror_the_readme_table() -> None:
@@ -35,11 +46,33 @@ def test_defaults_without_any_variable() -> None:
         assert getattr(got, field) == want, field
 
 
-def test_debug_build_flag_and_the_build_time_settings() -> None:
-    assert Settings.from_env({"TORCHRING_DEBUG_BUILD": "1"}).debug_build is True
-    assert Settings.from_env({"TORCHRING_DEBUG_BUILD": "0"}).debug_build is False
-    with pytest.raises(ValueError, match=r"^TORCHRING_DEBUG_BUILD='yes': expected 0 or 1"):
-        Settings.from_env({"TORCHRING_DEBUG_BUILD": "yes"})
+def test_one_default_timeout() -> None:
+    assert DEFAULT_TIMEOUT_S == 300.0 and Settings().timeout == DEFAULT_TIMEOUT_S
+    with pytest.raises(ValueError, match="unset it for the default 300$"):
+        Settings.from_env({"TORCHRING_TIMEOUT": "soon"})
+
+
+@pytest.mark.parametrize("name,field", [("TORCHRING_DEBUG_BUILD", "debug_build"),
+                                        ("HOROVOD_ELASTIC", "elastic"),
+                                        ("HOROVOD_TIMELINE_MARK_CYCLES", "timeline_mark_cycles")])
+@pytest.mark.parametrize("raw,want", [("1", True), ("0", False), ("2", True), ("-1", False),
+                                      ("true", True), ("True", True), ("YES", True), ("on", True),
+                                      ("false", False), ("no", False), ("Off", False)])
+def test_switches_take_one_rule_in_both_families(name: str, field: str, raw: str, want: bool) -> None:
+    # Horovod's rule (an integer, on above 0) plus the words users reach for.
+    assert getattr(_read(name, raw), field) is want
+
+
+@pytest.mark.parametrize("name", ["TORCHRING_DEBUG_BUILD", "HOROVOD_ELASTIC"])
+@pytest.mark.parametrize("raw", ["maybe", "1.0", "y", "enabled"])
+def test_a_switch_refuses_what_it_does_not_know(name: str, raw: str) -> None:
+    with pytest.raises(ValueError) as caught:
+        _read(name, raw)
+    assert str(caught.value) == (f"{name}={raw!r}: expected 1 or 0 (an integer: on above 0), or "
+                                 f"true/false, yes/no, on/off; unset it for the default 0")
+
+
+def test_the_build_time_settings() -> None:
     # Read before init(): only the build's own variables, so a bad runtime one cannot stop a build.
     build = Settings.for_build({"TORCHRING_DEBUG_BUILD": "1", "TORCHRING_TIMEOUT": "soon",
                                 "TORCHRING_CACHE_DIR": "/tmp/c"})
@@ -59,6 +92,8 @@ def test_the_earlier_segment_name_still_works_and_is_named_in_messages() -> None
 def test_empty_and_blank_values_count_as_unset() -> None:
     env = {name: "" for name in VARIABLES} | {"TORCHRING_SHM_SEGMENT_KB": "  ", "HOME": "/home/u"}
     assert Settings.from_env(env) == Settings.from_env({"HOME": "/home/u"})
+    env = {"HOROVOD_FUSION_THRESHOLD": "", "HOROVOD_TIMELINE": "  ", "HOROVOD_ELASTIC": ""}
+    assert knobs.current(env) == knobs.current({})
 
 
 @pytest.mark.parametrize("name,raw,field,want", [
@@ -90,6 +125,8 @@ def test_empty_and_blank_values_count_as_unset() -> None:
     ("TORCHRING_CUDA_PATH", "nccl", "cuda_path", "nccl"),
     ("TORCHRING_DEVICE", "3", "device", 3),
     ("TORCHRING_JOB_ID", "exp-7", "job_id", "exp-7"),
+    ("TORCHRING_SSH", "ssh -o StrictHostKeyChecking=no", "ssh", "ssh -o StrictHostKeyChecking=no"),
+    ("TORCHRING_ELASTIC_DIR", " /tmp/commits ", "elastic_dir", "/tmp/commits"),
 ])
 def test_good_values(name: str, raw: str, field: str, want: object) -> None:
     got = Settings.from_env({name: raw})
@@ -127,10 +164,17 @@ def test_good_values(name: str, raw: str, field: str, want: object) -> None:
     ("TORCHRING_DEVICE", "-1", "device index"),
     ("TORCHRING_DEVICE", "cuda:1", "integer"),
     ("TORCHRING_JOB_ID", "my job", "without spaces"),
+    ("HOROVOD_FUSION_THRESHOLD", "64MB", "a whole number >= 0"),
+    ("HOROVOD_FUSION_THRESHOLD", "-1", "a whole number >= 0"),
+    ("HOROVOD_CACHE_CAPACITY", "1.5", "a whole number >= 0"),
+    ("HOROVOD_CYCLE_TIME", "fast", "a number >= 0"),
+    ("HOROVOD_CYCLE_TIME", "nan", "a number >= 0"),
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "-3", "a number >= 0"),
+    ("HOROVOD_LOG_LEVEL", "loud", "one of trace, debug"),
 ])
 def test_bad_values_say_name_value_range_and_fix(name: str, raw: str, allowed: str) -> None:
     with pytest.raises(ValueError) as caught:
-        Settings.from_env({name: raw})
+        _read(name, raw)
     message = str(caught.value)
     assert message.startswith(f"{name}={raw!r}: expected "), message
     assert allowed in message, message

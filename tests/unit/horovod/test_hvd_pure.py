@@ -13,9 +13,11 @@ import pytest
 import torch
 
 import torchring.horovod as hvd
-from torchring._core.errors import WaitTimeoutError
+from torchring._core.errors import (CollectiveMismatchError, CommunicatorFailedError, TorchringError,
+                                    WaitTimeoutError)
 from torchring._core.types import ReduceOp
-from torchring.horovod import handles, negotiator, ops_gather, ops_reduce, process_sets, timeline
+from torchring.horovod import (exceptions, handles, ops_gather, ops_reduce, process_sets,
+                               timeline)
 from torchring.horovod.negotiator import Done, Entry, Negotiator, Request, validate
 
 
@@ -181,8 +183,8 @@ def test_a_mismatch_fails_on_every_rank_and_names_the_ranks(negotiators: Callabl
     bad = [_entry("m", shape=(4,)), _entry("m", shape=(5,))]
     for neg, e in zip(negs, bad):
         neg.submit(e)
-    for e in bad:
-        assert isinstance(_done(e).error, RuntimeError)
+    for e in bad:  # the engine's class for the same situation: the communicator stays usable
+        assert isinstance(_done(e).error, CollectiveMismatchError)
         assert "rank 0" in str(e.error) and "rank 1" in str(e.error) and "'m'" in str(e.error)
     ok = [_entry("after"), _entry("after")]
     for neg, e in zip(negs, ok):
@@ -227,7 +229,7 @@ def test_a_failed_exchange_fails_every_entry_and_later_submits(negotiators: Call
 def test_stopped_negotiator_refuses_new_operations(negotiators: Callable) -> None:
     a, _b = negotiators(2)
     a.stop()
-    with pytest.raises(RuntimeError, match="shutting down"):
+    with pytest.raises(TorchringError, match="rank 0: late: Horovod is shutting down"):
         a.submit(_entry("late"))
 
 
@@ -398,6 +400,44 @@ def test_failures_reach_users_as_horovod_internal_error() -> None:
     misuse.resolve(error=ValueError("bad argument"))
     with pytest.raises(ValueError, match="bad argument"):
         handles.wait_entry(misuse)
+
+
+@pytest.mark.parametrize("exc,wrapped", [
+    (RuntimeError("torch refused"), True),  # Horovod's rule: any RuntimeError of an operation
+    (CommunicatorFailedError("rank 1 died"), True),
+    (CollectiveMismatchError("rank 1 sent [4]"), True),
+    (TorchringError("Horovod is shutting down"), True),
+    (ValueError("bad argument"), False),
+    (TypeError("not a tensor"), False),
+    (NotImplementedError("hvd.Adasum"), False),
+    (KeyboardInterrupt(), False),
+])
+def test_one_mapping_to_horovods_error(exc: BaseException, wrapped: bool) -> None:
+    got = exceptions.to_horovod(exc)
+    if not wrapped:
+        assert got is exc
+        return
+    assert type(got) is hvd.HorovodInternalError and str(got) == str(exc) and got.__cause__ is exc
+    assert exceptions.to_horovod(got) is got  # never wrapped twice
+
+
+def test_only_a_failed_communicator_counts_as_one() -> None:
+    failed = exceptions.communicator_failed
+    assert failed(CommunicatorFailedError("rank 1 died"))
+    assert failed(exceptions.to_horovod(CommunicatorFailedError("rank 1 died")))
+    assert failed(hvd.HorovodInternalError("raised by the script"))  # as Horovod treats it
+    assert failed(exceptions.to_horovod(RuntimeError("torch refused")))
+    assert not failed(exceptions.to_horovod(CollectiveMismatchError("rank 1 sent [4]")))
+    assert not failed(exceptions.to_horovod(TorchringError("Horovod is shutting down")))
+    assert not failed(CollectiveMismatchError("rank 1 sent [4]"))
+    assert not failed(ValueError("bad argument"))
+
+
+def test_horovods_names_for_the_exceptions() -> None:
+    assert hvd.HorovodInternalError is exceptions.HorovodInternalError
+    assert hvd.elastic.HostsUpdatedInterrupt is exceptions.HostsUpdatedInterrupt
+    assert hvd.elastic.state.HostsUpdatedInterrupt is exceptions.HostsUpdatedInterrupt
+    assert exceptions.HostsUpdatedInterrupt(skip_sync=True).skip_sync
     fine = Entry(Request("z", "allreduce"), lambda r, j: Done())
     fine.resolve(Done(41))
     assert handles.wait_entry(fine) == 41

@@ -1,6 +1,7 @@
 """torchring-run's pure parts: the torchrun command line it builds, the exit code and
-message it derives from torch's ChildFailedError (which rank failed first), and horovodrun's
-flags (hosts and slots, the variables the ranks get, a leading python), without a process."""
+message it derives from torch's ChildFailedError (which rank failed first; launch/failures.py,
+shared with each host's node of a -H job), and horovodrun's flags (hosts and slots, the
+variables the ranks get, a leading python), without a process."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch.distributed.run as torchrun
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from torchring.launch import cli as run
+from torchring.launch import cli as run, failures, output as _output
 
 
 def _args(**overrides: object) -> SimpleNamespace:
@@ -34,7 +37,7 @@ def test_torchrun_accepts_the_command_line() -> None:
 @pytest.mark.parametrize("rank0_only,no_prefix,shown", [(False, False, "prefixed"), (True, False, "rank 0"),
                                                         (True, True, "rank 0"), (False, True, None)])
 def test_rank0_only_and_no_prefix(rank0_only: bool, no_prefix: bool, shown: str | None) -> None:
-    output = run._rank_output(_args(rank0_only=rank0_only, no_prefix=no_prefix))
+    output = _output.rank_output(_args(rank0_only=rank0_only, no_prefix=no_prefix))
     try:
         got = None if output is None else "rank 0" if output._only_rank0 else "prefixed"
         assert got == shown
@@ -74,8 +77,35 @@ SIGTERM, SIGKILL = -int(signal.SIGTERM), -int(signal.SIGKILL)
     (RuntimeError("no failures attribute"), 1, "a rank failed"),
 ])
 def test_exit_code_and_message_name_the_first_failing_rank(error: object, code: int, message: str) -> None:
-    assert run._exit_code(error) == code
-    assert run._describe_failure(error).startswith(message)
+    assert failures.exit_code(error) == code
+    assert failures.describe_failure(error).startswith(message)
+
+
+def _child_failed(**ranks: tuple[int, float]) -> ChildFailedError:
+    """A real ChildFailedError around _failed's stand-in failures (its message is not built)."""
+    error = ChildFailedError.__new__(ChildFailedError)
+    error.name, error.failures = "train.py", _failed(**ranks).failures
+    return error
+
+
+@pytest.mark.parametrize("raised,code,said", [
+    (None, 0, ""),
+    (_child_failed(r0=(SIGTERM, 100), r1=(3, 100)), 3, "failed: rank 1 failed first (exit code 3)\n"),
+    (_child_failed(r2=(SIGKILL, 100)), 128 + 9, "failed: rank 2 failed first (killed by signal 9)\n"),
+    (SignalException("stop", signal.SIGTERM), 128 + 15, "stopped: 15\n"),
+    (KeyboardInterrupt(), 128 + 2, ""),
+])
+def test_how_the_agent_ends_becomes_the_exit_code(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
+                                                  raised: BaseException | None, code: int, said: str) -> None:
+    def launch(config: object, output: object) -> None:
+        assert config == "config" and output is None
+        if raised is not None:
+            raise raised
+
+    monkeypatch.setattr(_output, "launch", launch)
+    got = failures.run_agent("config", None, failed=lambda what: f"failed: {what}",  # type: ignore[arg-type]
+                             stopped=lambda sig: f"stopped: {sig}")
+    assert got == code and capsys.readouterr().err == said
 
 
 @pytest.mark.parametrize("argv", [[], ["train.py"], ["-np", "0", "train.py"], ["-np", "2"]])

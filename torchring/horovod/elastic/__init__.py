@@ -18,6 +18,13 @@ first restores its last commit and exits with the error). TorchState writes each
 (_commits.py), and the restarted job's first sync() loads the newest commit any rank has, then
 runs the reset callbacks, so ``train(state)`` continues from the last commit, possibly with another
 number of ranks (the ElasticSampler re-splits what is left of the epoch).
+
+Only a failed communicator is restored from (``CommunicatorFailedError``, or the
+``HorovodInternalError`` an hvd entry point wraps around it; exceptions.py): ranks that disagreed
+on an operation (``CollectiveMismatchError``) left it usable, so that error reaches the caller
+untouched, with the state as it was. This package sits above runtime.py, as Horovod's elastic
+module sits above its ops: ``HostsUpdatedInterrupt`` re-initializes through runtime's
+``shutdown()`` and ``init()``.
 """
 
 from __future__ import annotations
@@ -26,28 +33,29 @@ import functools
 from typing import Any, Callable, TypeVar
 
 from ..._core import errors as _errors, log as _log
-from .. import basics
+from .. import basics, runtime
+from ..exceptions import HorovodInternalError, HostsUpdatedInterrupt, communicator_failed
 from . import _commits
 from .sampler import ElasticSampler
-from .state import HostsUpdatedInterrupt, ObjectState, State, TorchState
+from .state import ObjectState, State, TorchState
 
 __all__ = ["run", "State", "ObjectState", "TorchState", "ElasticSampler", "HostsUpdatedInterrupt"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-# What a failed peer looks like to a rank: an hvd op's error, or the engine's own (torchring.wrap).
-_FAILURES = (basics.HorovodInternalError, _errors.CommunicatorFailedError)
+# What a failed peer looks like to a rank: an hvd op's error, or the engine's own (torchring.wrap);
+# communicator_failed() then sets apart those that left the communicator usable (a mismatch).
+_FAILURES = (HorovodInternalError, _errors.CommunicatorFailedError)
 
 
 def _reinit() -> None:
-    from ..runtime import init, shutdown  # runtime sits above the functions this package uses
-    shutdown()
-    init()
+    runtime.shutdown()
+    runtime.init()
 
 
 def run(func: F) -> F:
     """Wraps `func(state, ...)`: sync the state (after a restart: resume its newest commit), run,
-    and on a collective failure restore the last commit and re-raise, so that torchrun restarts."""
+    and on a failed communicator restore the last commit and re-raise, so that torchrun restarts."""
 
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
@@ -60,6 +68,8 @@ def run(func: F) -> F:
                         state.on_reset()  # the world may have another size after the restart
                 return func(state, *args, **kwargs)
             except _FAILURES as exc:
+                if not communicator_failed(exc):  # the communicator is usable: the caller's to handle
+                    raise
                 state.restore()
                 where = f" (on disk in {_commits.directory()})" if _commits.enabled() else ""
                 _log.logger.error(

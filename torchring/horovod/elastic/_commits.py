@@ -31,12 +31,12 @@ __all__ = ["enabled", "directory", "path", "write", "read", "mark_job", "job_was
 
 def enabled() -> bool:
     """Whether commits go to disk: under torchrun's agent, or with TORCHRING_ELASTIC_DIR set."""
-    return bool(os.environ.get("TORCHRING_ELASTIC_DIR") or os.environ.get("TORCHELASTIC_RUN_ID"))
+    return bool(_context.settings().elastic_dir or os.environ.get("TORCHELASTIC_RUN_ID"))
 
 
 def directory() -> str:
     """Where this job's commit files live."""
-    explicit = os.environ.get("TORCHRING_ELASTIC_DIR")
+    explicit = _context.settings().elastic_dir
     if explicit:
         return explicit
     run_id = re.sub(r"[^A-Za-z0-9_.-]", "_", os.environ.get("TORCHELASTIC_RUN_ID") or "job")

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from .. import basics
+from ..exceptions import HostsUpdatedInterrupt
 from ..functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                          broadcast_parameters)
 from . import _commits
@@ -27,14 +28,6 @@ from .sampler import ElasticSampler
 __all__ = ["State", "ObjectState", "TorchState", "HostsUpdatedInterrupt", "StateHandler",
            "ModelStateHandler", "OptimizerStateHandler", "SamplerStateHandler",
            "get_handler_registry", "set_handler_registry"]
-
-
-class HostsUpdatedInterrupt(RuntimeError):
-    """Hosts were added or removed (Horovod's signal to re-sync; torchrun restarts ranks instead)."""
-
-    def __init__(self, skip_sync: bool = False) -> None:
-        super().__init__("hosts were updated")
-        self.skip_sync = skip_sync
 
 
 class State:
