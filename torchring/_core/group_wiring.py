@@ -9,7 +9,7 @@ that never called is named after the timeout (CommunicatorFailedError). The memb
 communicator of their own under ``{prefix}group/{id}/`` exactly as init() wires the world's:
 shared memory among the members of each host, a TCP ring between hosts.
 
-groups.py puts a method per collective on top (the public Group); the collectives take a
+collectives/groups.py puts a method per collective on top (the public Group); the collectives take a
 Group or None (the world) and turn it into a Target with ``target()``.
 """
 
@@ -82,7 +82,7 @@ class Target:
 
 
 class GroupBase:
-    """A group's identity and life (the public Group in groups.py adds the collectives)."""
+    """A group's identity and life (the public Group in collectives/groups.py adds the collectives)."""
 
     def __init__(self, gid: int, ranks: tuple[int, ...], state: Any, comm: Any) -> None:
         self._gid, self._ranks, self._state, self._comm = gid, ranks, state, comm

@@ -161,7 +161,7 @@ def check_engine(engine: Any) -> None:
             theirs = [str(name).lower() for name in theirs]
         if theirs != ours:
             raise ImportError(
-                f"the torchring engine's {attr} is {theirs}, but torchring/_types.py says {ours}; "
+                f"the torchring engine's {attr} is {theirs}, but torchring/_core/types.py says {ours}; "
                 "the compiled engine and the Python package come from different versions: "
                 "reinstall torchring, or delete its build cache (TORCHRING_CACHE_DIR) to rebuild")
 

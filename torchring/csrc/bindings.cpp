@@ -34,7 +34,7 @@ void raise(const char* name, const char* what) {
   PyErr_SetString(cls.ptr(), what);
 }
 
-// allreduce's common call (collectives.py) as a plain CPython function: pybind's dispatcher
+// allreduce's common call (collectives/basic.py) as a plain CPython function: pybind's dispatcher
 // (argument casters, the type lookup of `self`, the call record) costs about a quarter of a
 // world-1 call, which is all overhead. `self` is a capsule owning a reference to the
 // communicator; (tensor, op) -> True when the engine ran it (the answer and the errors are

@@ -26,7 +26,7 @@ rank or HOROVOD_ELASTIC is set):
 - after ``hvd.shutdown(); hvd.init()`` (elastic reset) the set's group is a new one: the
   Reducer is built again and the first-sync agreement runs again;
 - from the first hook of a backward to its end, large CPU allocations (fresh gradients) come
-  from torchring's gradient pool, as under torchring.wrap (the rule is hooks.py's; memory.py);
+  from torchring's gradient pool, as under torchring.wrap (the rule is _wrap/hooks.py's; _wrap/memory.py);
 - on the global process set, ``hvd.join()`` works: each sync first submits a negotiated marker,
   and a rank that has joined takes part in the syncs it misses with zeros (``shadow()``,
   driven by the marker on its negotiation thread; see _join_sync.py).

@@ -1,6 +1,6 @@
-"""One host's part of a `torchring-run -H` job, started by torchring/_ssh_launch.py (directly
+"""One host's part of a `torchring-run -H` job, started by torchring/launch/ssh.py (directly
 or over ssh): torch's elastic agent with the static rendezvous (node rank = the host's place in
--H), lines prefixed [host:global rank]: (torchring/_output.py), stopped when its stdin (the
+-H), lines prefixed [host:global rank]: (torchring/launch/output.py), stopped when its stdin (the
 launcher's pipe) closes, exit code the first failing rank's (failures.py, as torchring-run on
 one host), not the 1 of torchrun.
 

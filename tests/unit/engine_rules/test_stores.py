@@ -15,7 +15,7 @@ from torchring._core import build as _build
 ENGINE = _build.load()
 SEGMENT = 1 << 20
 NEAR = (45e-6, 85e-6)   # (cached, streaming) seconds per 1 MiB segment, CPUs close (measured)
-FAR = (550e-6, 66e-6)   # the same, CPUs far apart (measured: benchmarks/staged_probe.c)
+FAR = (550e-6, 66e-6)   # the same, CPUs far apart (measured: benchmarks/probes/staged_probe.c)
 
 
 def _choices(phases: list[tuple[tuple[float, float], int]], nbytes: int = SEGMENT) -> list[bool]:

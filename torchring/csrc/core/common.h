@@ -27,7 +27,7 @@ extern const Advice kInitCall;      // "torchring.init()"
 extern const Advice* const kAllAdvice[4];
 
 // The engine's exceptions (docs/errors.md). Each surfaces in Python as the class of the same
-// role in torchring/_errors.py; bindings.cpp maps them. Violated invariants are not among
+// role in torchring/_core/errors.py; bindings.cpp maps them. Violated invariants are not among
 // them: those are TORCH_INTERNAL_ASSERTs.
 //
 // TorchringError: the base, and on its own a failure that leaves the communicator as it was

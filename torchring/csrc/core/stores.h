@@ -6,7 +6,7 @@
 // cross-core ownership transfers. When the two CPUs sit close (a 2-vCPU guest whose vCPUs the
 // host runs on one core's two threads, or in one core complex) that is cheap; when the host
 // moves them apart, a cross-core round trip grows from ~50 to ~330-450 ns and a 1 MiB staged
-// allreduce from ~45 to ~550 us (benchmarks/staged_probe.c reproduces it without torchring).
+// allreduce from ~45 to ~550 us (benchmarks/probes/staged_probe.c reproduces it without torchring).
 // Streaming stores do not wait for ownership: ~1.5x slower than cached stores when the cores
 // are close, 8x faster when they are far (the same probe). The host moves vCPUs without notice,
 // so StoreChooser measures instead of guessing.

@@ -102,7 +102,7 @@ void ShmGroup::allreduce(char* data, size_t count, DType dtype, ReduceOp op, dou
 // n staged copies into its tensor. One synchronization in all, where a separate header
 // exchange and one-shot segment take two. The copy-in streams when oneSyncStores_ says so
 // (from 64 KiB, StoreChooser::kMinBytes): the call, copy-in to the end of the reduce, is timed
-// for it. With the host's two vCPUs far apart, benchmarks/oneshot_probe.c's 64 KiB one-sync
+// for it. With the host's two vCPUs far apart, benchmarks/probes/oneshot_probe.c's 64 KiB one-sync
 // allreduce takes 46 us with cached copy-in stores and 11.6 us with streaming ones; close
 // together, 13.2 and 13.1.
 void ShmGroup::reduceStaged(char* data, size_t count, DType dtype, ReduceOp op, double scale,
