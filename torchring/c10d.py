@@ -50,8 +50,9 @@ def _create(options: Any, pg_options: Any = None) -> Any:
     ranks = list(getattr(options, "global_ranks_in_group", []) or [])
     world = dist.get_world_size() if dist.is_initialized() else size
     label = _label(str(getattr(options, "group_id", "")), ranks, max(world, size))
-    # The host of the store's address: where the route to it starts (one host: every rank's).
-    master_addr = _env.detect().master_addr if size > 1 else "127.0.0.1"
+    # The host of the store's address: where the route to it starts. torch hands the rank and
+    # the world, so nothing else of the launch is read (its variables may be partial).
+    master_addr = _env.store_host() if size > 1 else "127.0.0.1"
     comm = _rendezvous.connect(engine, store, "torchring/", rank, size, settings, host, master_addr,
                                secret_from="the group's rank 0", arena_bytes=0, label=label).comm
     return engine.make_c10d_backend(comm, rank, size, label)

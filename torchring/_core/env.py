@@ -72,6 +72,13 @@ def _first_slurm_host(nodelist: str) -> str:
     return prefix + ranges.split(",")[0].split("-")[0]
 
 
+def store_host(env: dict | None = None) -> str:
+    """MASTER_ADDR (the host of rank 0's store) where the launcher set it, else this host: for a
+    caller that was handed its rank and world already (torch.distributed's backend), whose
+    launch variables may be partial (init_method="file://" or "tcp://", a test harness)."""
+    return (os.environ if env is None else env).get("MASTER_ADDR") or "127.0.0.1"
+
+
 def detect(env: dict | None = None) -> Launch:
     """Reads the launcher's variables (torchrun, Open MPI, PMI, SLURM) or returns world size 1."""
     env = dict(os.environ if env is None else env)

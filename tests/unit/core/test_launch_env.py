@@ -94,3 +94,11 @@ def test_bad_launcher_variables() -> None:
 def test_a_world_of_one_needs_no_master_addr() -> None:
     got = _env.detect({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1"})
     assert (got.world_size, got.master_addr) == (1, "127.0.0.1")
+
+
+def test_the_backend_reads_only_the_store_host() -> None:
+    # torch.distributed hands the backend its rank and world; partial launch variables (torch's
+    # own suite sets WORLD_SIZE without RANK) must not stop it from finding the store's host.
+    assert _env.store_host({"WORLD_SIZE": "3", "MASTER_ADDR": "node0"}) == "node0"
+    assert _env.store_host({"WORLD_SIZE": "3"}) == "127.0.0.1"
+    assert _env.store_host({"MASTER_ADDR": ""}) == "127.0.0.1"
