@@ -3,7 +3,7 @@ link mid-job, over OpenSSH's sshd between simulated hosts (tests/_hosts.py, root
 
 A pulled cable sends no FIN: the ssh connections to the other hosts stay open, and torch's
 agent on those hosts may never return although its ranks raised (TORCHRING_TIMEOUT) and exited.
-Each host's node (torchring/_ssh_node.py) must then end on its own: every remote node exits
+Each host's node (torchring/launch/node.py) must then end on its own: every remote node exits
 non-zero within a bound and leaves nothing running; the launcher exits non-zero too.
 
 The remote nodes' exit codes cannot come back over the dead link, so the ssh command
@@ -153,9 +153,9 @@ _STUCK_NODE = """
 import sys, time
 from torch.distributed.elastic.agent.server import api
 api.SimpleElasticAgent._record_worker_events = lambda self, result: time.sleep(3600)
-from torchring import _ssh_node
-_ssh_node.AGENT_GRACE_S = float(sys.argv[1])
-sys.exit(_ssh_node.node_main(sys.argv[2:]))
+from torchring.launch import node
+node.AGENT_GRACE_S = float(sys.argv[1])
+sys.exit(node.node_main(sys.argv[2:]))
 """
 
 _EXIT_BY_RANK = """
