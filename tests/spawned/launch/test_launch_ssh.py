@@ -248,7 +248,7 @@ def _job_processes(host: object) -> list[int]:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if (b"job.py" in cmdline or b"_ssh_node" in cmdline) and _alive(pid):
+        if (b"job.py" in cmdline or b"torchring.launch.node" in cmdline) and _alive(pid):
             out.append(pid)
     return out
 

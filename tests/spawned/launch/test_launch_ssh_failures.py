@@ -153,9 +153,9 @@ _STUCK_NODE = """
 import sys, time
 from torch.distributed.elastic.agent.server import api
 api.SimpleElasticAgent._record_worker_events = lambda self, result: time.sleep(3600)
-from torchring.launch import node as _ssh_node
-_ssh_node.AGENT_GRACE_S = float(sys.argv[1])
-sys.exit(_ssh_node.node_main(sys.argv[2:]))
+from torchring.launch import node
+node.AGENT_GRACE_S = float(sys.argv[1])
+sys.exit(node.node_main(sys.argv[2:]))
 """
 
 _EXIT_BY_RANK = """
