@@ -42,14 +42,13 @@ from typing import Any, Sequence
 import torch
 
 from .._core import context as _context
-from .._core.errors import TorchringError
 from .._core.types import ReduceOp
 from .._wrap.buckets import assign
 from .._wrap.hooks import LOCK, GradHooks
 from .._wrap.reducer import BUCKET_CAP_BYTES, FIRST_BUCKET_CAP_BYTES, Reducer
 from . import _join_sync, basics, knobs, timeline
 from .compression import wire_dtype
-from .exceptions import to_horovod
+from .exceptions import raised_as_horovod
 
 __all__ = ["GradSync", "Transport", "bucket_caps", "group_assignment", "sparse_reduce"]
 
@@ -191,17 +190,6 @@ def sparse_reduce(grad: torch.Tensor | None, like: torch.Tensor, sparse_dim: int
                                    check_invariants=False).coalesce()
 
 
-def _hvd_errors(fn: Any, *args: Any) -> Any:
-    """fn(*args), an engine failure raised as Horovod's HorovodInternalError."""
-    try:
-        return fn(*args)
-    except TorchringError as exc:
-        err = to_horovod(exc)
-        if err is exc:
-            raise
-        raise err from exc
-
-
 def _first_sync_outcome(everyone: list[Any], rank: int) -> tuple[list[str], dict[str, int]]:
     """From the first-sync allgather of (ready order, (name, shape) list, sparse found) per set
     rank: the order to adopt (set rank 0's, or the lowest rank's with one) and every sparse
@@ -279,7 +267,8 @@ class GradSync:
             self._densify(j)
         if not self.agreed:
             self.order.append(self.names[j])
-        _hvd_errors(self.reducer.mark_ready, self.slot[j])
+        with raised_as_horovod():
+            self.reducer.mark_ready(self.slot[j])
 
     def _densify(self, j: int) -> None:
         p = self.params[j]
@@ -296,15 +285,18 @@ class GradSync:
             unmarked = [j for j, left in enumerate(self.delay) if left > 0 and self.slot[j] is not None]
             try:
                 if self.join_key is not None:  # before anything here waits for the other ranks
-                    _hvd_errors(_join_sync.submit_marker, self.join_key)
+                    with raised_as_horovod():
+                        _join_sync.submit_marker(self.join_key)
                 for j in unmarked:  # the buckets copy dense gradients only
                     g = self.params[j].grad
                     if g is not None and g.is_sparse:
                         self._densify(j)
-                _hvd_errors(self.reducer.finalize)
+                with raised_as_horovod():
+                    self.reducer.finalize()
                 self._reduce_sparse(contribute=True)
                 if not self.agreed:
-                    _hvd_errors(self._agree)
+                    with raised_as_horovod():
+                        self._agree()
                 for j, dim in list(self.sparse_now.items()) + list(self.sparse.items()):
                     g = self.params[j].grad
                     if g is not None and not g.is_sparse:
@@ -329,10 +321,12 @@ class GradSync:
                     "take part in the other ranks' sync with zeros; call step() or synchronize() "
                     "before hvd.join()")
             try:
-                _hvd_errors(self.reducer.shadow)
+                with raised_as_horovod():
+                    self.reducer.shadow()
                 self._reduce_sparse(contribute=False)
                 if not self.agreed:
-                    _hvd_errors(self._agree)
+                    with raised_as_horovod():
+                        self._agree()
             finally:
                 # Backward passes counted since the last sync (fewer than backward_passes_per_step)
                 # never reach the others, as in Horovod; the next sync starts afresh.

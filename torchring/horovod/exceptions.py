@@ -15,9 +15,13 @@ Users import these as Horovod has them: ``hvd.HorovodInternalError`` and
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 from .._core import errors as _errors
 
-__all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "to_horovod", "communicator_failed"]
+__all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "to_horovod", "raised_as_horovod",
+           "communicator_failed"]
 
 
 class HorovodInternalError(RuntimeError):
@@ -40,6 +44,15 @@ def to_horovod(exc: BaseException) -> BaseException:
     err = HorovodInternalError(str(exc))
     err.__cause__ = exc
     return err
+
+
+@contextlib.contextmanager
+def raised_as_horovod() -> Iterator[None]:
+    """Inside it, a failure reaches the caller as Horovod raises it (to_horovod)."""
+    try:
+        yield
+    except RuntimeError as exc:
+        raise to_horovod(exc)  # noqa: B904 (to_horovod sets the cause, or returns exc itself)
 
 
 def communicator_failed(exc: BaseException) -> bool:

@@ -13,15 +13,14 @@ is installed, so lambdas and local classes travel too, as in Horovod).
 
 from __future__ import annotations
 
-import contextlib
 import pickle
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 import torch
 
 from .._core.types import DTYPES
 from . import basics
-from .exceptions import to_horovod
+from .exceptions import raised_as_horovod
 from .process_sets import ProcessSet, global_process_set
 
 try:  # Horovod pickles with cloudpickle; use it when the user has it
@@ -31,15 +30,6 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
            "allgather_object"]
-
-
-@contextlib.contextmanager
-def _engine_errors() -> Iterator[None]:
-    """Failures reach the caller as Horovod raises them (exceptions.to_horovod)."""
-    try:
-        yield
-    except RuntimeError as exc:
-        raise to_horovod(exc)  # noqa: B904 (to_horovod sets the cause, or returns exc itself)
 
 
 def _group_of(process_set: ProcessSet, what: str) -> Any:
@@ -78,7 +68,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     mine = group.rank() == src
     payload = _dumps(obj) if mine else None
     length = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64)
-    with _engine_errors():
+    with raised_as_horovod():
         group.broadcast(length, src)
         if payload is None:
             payload = torch.empty(int(length.item()), dtype=torch.uint8)
@@ -92,7 +82,7 @@ def allgather_object(obj: Any, name: str | None = None,
     """Returns the list of every member's `obj` (pickled), indexed by rank within `process_set`."""
     group = _group_of(process_set, "allgather_object")
     payload = _dumps(obj)
-    with _engine_errors():
+    with raised_as_horovod():
         lengths = group.allgather(torch.tensor([payload.numel()], dtype=torch.int64)).tolist()
         data = group.allgather(payload).numpy().tobytes()
     out, start = [], 0
@@ -136,7 +126,7 @@ def _broadcast_tensors(tensors: list[torch.Tensor], src: int, group: Any) -> Non
             wire = wire.contiguous()
             copies.append((t, wire))
         handles.append(group.broadcast_async(wire, src))
-    with _engine_errors():
+    with raised_as_horovod():
         for h in handles:
             h.wait()
     with torch.no_grad():
@@ -270,7 +260,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     is_root = group.rank() == src
     layout = broadcast_object(_layout(optimizer) if is_root else None, root_rank)
     problem = None if is_root else _mismatch(optimizer, layout)
-    with _engine_errors():  # every rank learns whether any rank cannot take the state
+    with raised_as_horovod():  # every rank learns whether any rank cannot take the state
         bad = group.allgather(torch.tensor([problem is not None], dtype=torch.int32)).tolist()
     if any(bad):
         failing = [global_process_set.ranks[i] for i, b in enumerate(bad) if b]
