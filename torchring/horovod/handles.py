@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from . import timeline
-from .exceptions import to_horovod
+from .exceptions import raised_as_horovod, to_horovod
 from .negotiator import Done, Entry
 
 __all__ = ["Done", "add", "poll", "synchronize", "wait_entry", "clear"]
@@ -67,10 +67,8 @@ def wait_entry(entry: Entry) -> Any:
         pass
     if entry.error is not None:
         raise to_horovod(entry.error)
-    try:
+    with raised_as_horovod():
         return entry.result.wait()
-    except BaseException as exc:
-        raise to_horovod(exc)  # noqa: B904 (to_horovod sets the cause, or returns exc itself)
 
 
 def synchronize(handle: int) -> Any:
