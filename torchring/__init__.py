@@ -10,6 +10,7 @@
 from . import c10d, cuda, memory
 from ._core.context import init, is_initialized, local_rank, local_size, rank, shutdown, size, transport
 from ._core.errors import CollectiveMismatchError, CommunicatorFailedError, TorchringError, WaitTimeoutError
+from .collectives.algorithms import algorithm, link_cost
 from .collectives.basic import (Handle, ReduceOp, allgather, allgather_async, allgather_object, allreduce,
                                 allreduce_async, barrier, barrier_async, broadcast, broadcast_async,
                                 broadcast_object, reduce_scatter, reduce_scatter_async)
@@ -40,5 +41,5 @@ __all__ = [
     "allgather_into", "allgather_into_async", "reduce_scatter_into", "reduce_scatter_into_async",
     "allreduce_many", "allreduce_many_async",
     "alltoall", "alltoall_async", "all_to_all_single", "all_to_all_single_async",
-    "SyncBatchNorm",
+    "SyncBatchNorm", "algorithm", "link_cost",
 ]

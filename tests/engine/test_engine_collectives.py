@@ -81,12 +81,13 @@ def _rooted_and_gathers(rank: int, comm: Any, world: int) -> list[str]:
     return chk.failures
 
 
-def _sweep_on(layout: str, sweep: Callable[[int, Any, int], list[str]]) -> None:
-    """Runs `sweep(rank, comm, world)` on every rank of `layout`; fails with what it found."""
+def _sweep_on(layout: str, sweep: Callable[[int, Any, int], list[str]], algo: str = "auto") -> None:
+    """Runs `sweep(rank, comm, world)` on every rank of `layout` (TORCHRING_ALGO=`algo`); fails
+    with what it found."""
     hosts, transport, one_shot = LAYOUTS[layout]
     world = len(hosts)
     results = run_world(world, lambda r, c: sweep(r, c, world), hosts, transport,
-                        one_shot_bytes=one_shot)
+                        one_shot_bytes=one_shot, algo=algo)
     failures = [f for r in results for f in r]
     assert not failures, "\n".join(failures[:20])
 
@@ -96,9 +97,22 @@ def test_allreduce_every_dtype_op_and_size(layout: str) -> None:
     _sweep_on(layout, _allreduce_sweep)
 
 
+@pytest.mark.parametrize("algo", ["ring", "doubling", "rabenseifner"])
+@pytest.mark.parametrize("layout", ["tcp-3", "hybrid-aab", "hybrid-abab"])
+def test_allreduce_every_algorithm_among_hosts(layout: str, algo: str) -> None:
+    """Each forced algorithm among hosts (3 hosts fold one in and out; 2 do not)."""
+    _sweep_on(layout, _allreduce_sweep, algo)
+
+
 @pytest.mark.parametrize("layout", ["one", "shm-3-chunked", "tcp-3", "hybrid-abab"])
 def test_broadcast_allgather_reduce_scatter(layout: str) -> None:
     _sweep_on(layout, _rooted_and_gathers)
+
+
+@pytest.mark.parametrize("algo", ["ring", "doubling"])
+def test_broadcast_allgather_reduce_scatter_forced(algo: str) -> None:
+    """Ring forces the ring broadcast and allgather; the others leave them to the cost model."""
+    _sweep_on("tcp-3", _rooted_and_gathers, algo)
 
 
 def _tcp_streams(rank: int, comm: Any, world: int) -> list[str]:
@@ -122,4 +136,10 @@ def _tcp_streams(rank: int, comm: Any, world: int) -> list[str]:
 
 @pytest.mark.parametrize("layout", ["tcp-2", "tcp-3", "hybrid-abab"])
 def test_tcp_ring_streams_multi_segment_chunks(layout: str) -> None:
-    _sweep_on(layout, _tcp_streams)
+    _sweep_on(layout, _tcp_streams, "ring")
+
+
+@pytest.mark.parametrize("algo", ["doubling", "rabenseifner"])
+def test_log_depth_steps_fold_as_bytes_arrive(algo: str) -> None:
+    """The step-by-step allreduce on messages of several segments, 16-bit and scaled too."""
+    _sweep_on("tcp-3", _tcp_streams, algo)

@@ -7,14 +7,16 @@ never reads stale keys:
 1. rank 0 publishes ``secret``, a random per-job token checked in every TCP handshake;
 2. every rank publishes ``host/{rank}`` and reads all of them: ranks with the same host
    identity form a local group (shared memory), the first rank of each host is its leader
-   (TCP ring between hosts);
+   (TCP links between hosts);
 3. every rank creates its shared-memory region, the leaders open a listening socket for the
-   ring, every rank of a job on several hosts one for point-to-point messages, and each
+   links among them, every rank of a job on several hosts one for point-to-point messages, and each
    publishes ``info/{rank}`` = {host, addr, port, p2p_port, pid, shm};
 4. ranks map their local peers' regions, wait until the whole host has, and unlink their
-   own name (nothing stays in /dev/shm, even after a crash); leaders connect the ring; every
-   rank learns where the ranks of other hosts listen for point-to-point messages (those
-   connections open on first use).
+   own name (nothing stays in /dev/shm, even after a crash); leaders connect to their partner
+   leaders (the links every cross-host schedule uses), measure them and publish
+   ``links/{host}`` = [alpha, beta, gamma]; leader 0 publishes the largest of each as
+   ``links/agreed``, which every rank's cost model takes; every rank learns where the ranks of
+   other hosts listen for point-to-point messages (those connections open on first use).
 
 connect() runs them all and starts the communicator: for the world (context.init), a group
 (group_wiring.create, which knows the secret and the hosts already and so skips 1 and 2), the
@@ -132,6 +134,7 @@ def communicator(engine: Any, rank: int, world: int, groups: list[list[int]], se
     options.staging_stores = ("auto", "cached", "streaming").index(settings.shm_stores)
     options.spin_iters = settings.spin_iters(len(my_group), _env.available_cpus())
     options.spin_auto = settings.spin is None
+    options.algo = list(engine.ALGOS).index(settings.algo)
     for field, value in overrides.items():
         setattr(options, field, value)
     return engine.Communicator(options)
@@ -168,9 +171,10 @@ def wire(comm: Any, store: dist.Store, prefix: str, rank: int, master_addr: str,
         get(store, mapped + "/all", rank, "every rank of this host to map shared memory", timeout)
         comm.unlink_shm()
     if comm.is_leader and comm.num_hosts > 1:
-        right = groups[(comm.host_index + 1) % len(groups)][0]
-        peer = info_of(right)
-        comm.connect_ring(peer["addr"], int(peer["port"]))
+        leaders = [info_of(g[0]) for g in groups]
+        comm.connect_links([i["addr"] for i in leaders], [int(i["port"]) for i in leaders])
+    if comm.num_hosts > 1:
+        _agree_link_cost(comm, store, prefix, rank, len(groups), timeout)
     if comm.num_hosts > 1:
         mine = set(group)
         world = sum(len(g) for g in groups)
@@ -179,6 +183,21 @@ def wire(comm: Any, store: dist.Store, prefix: str, rank: int, master_addr: str,
                            [int(i["p2p_port"]) if i else -1 for i in others])
         comm.set_failure_board(dist.PrefixStore(prefix, store),
                                store_where(master_addr, [i or info for i in others]))
+
+
+def _agree_link_cost(comm: Any, store: dist.Store, prefix: str, rank: int, hosts: int,
+                     timeout: float) -> None:
+    """Every leader measures its links (alpha, beta) and host (gamma); every rank of the job
+    then sets the largest of each, so every rank's cost model chooses the same algorithms."""
+    if comm.is_leader:
+        store.set(prefix + f"links/{comm.host_index}", json.dumps(comm.measure_links()))
+        if comm.host_index == 0:
+            costs = [json.loads(get(store, prefix + f"links/{h}", rank, f"host {h}'s link measurement",
+                                    timeout)) for h in range(hosts)]
+            store.set(prefix + "links/agreed", json.dumps([max(c[i] for c in costs) for i in range(3)]))
+    alpha, beta, gamma = json.loads(get(store, prefix + "links/agreed", rank,
+                                        "the leaders' link measurements", timeout))
+    comm.set_link_cost(alpha, beta, gamma)
 
 
 @dataclass

@@ -18,6 +18,7 @@ namespace py = pybind11;
 
 namespace torchring {
 void bindTesting(py::module_& m);  // bindings_testing.cpp
+void bindSchedules(py::module_& m);  // bindings_schedule.cpp
 }  // namespace torchring
 
 using torchring::CommOptions;
@@ -179,6 +180,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }
   m.attr("OP_SPECS") = opSpecs;
   torchring::bindTesting(m);  // the unit tests' entry points (bindings_testing.cpp)
+  torchring::bindSchedules(m);  // the cross-host schedules and cost model (bindings_schedule.cpp)
   namespace gradpool = torchring::gradpool;
   m.def("grad_pool_install", &gradpool::install, py::arg("limit_bytes"));
   m.def("grad_pool_begin", &gradpool::begin);
@@ -229,7 +231,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("one_shot_bytes", &CommOptions::oneShotBytes,
                      "internal, for tests: largest staged shared-memory allreduce run one-shot")
       .def_readwrite("staging_stores", &CommOptions::stagingStores,
-                     "stores for shared-memory staging writes: 0 auto (measured), 1 cached, 2 streaming");
+                     "stores for shared-memory staging writes: 0 auto (measured), 1 cached, 2 streaming")
+      .def_readwrite("algo", &CommOptions::algo,
+                     "the algorithm among hosts (ALGOS index; 0: the cost model chooses per operation)");
 
 #ifdef TORCHRING_WITH_NCCL
   using torchring::NcclComm;
@@ -266,7 +270,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("listen", &Communicator::listen, py::call_guard<py::gil_scoped_release>())
       .def("attach_shm", &Communicator::attachShm, py::call_guard<py::gil_scoped_release>())
       .def("unlink_shm", &Communicator::unlinkShm)
-      .def("connect_ring", &Communicator::connectRing, py::call_guard<py::gil_scoped_release>())
+      .def("connect_links", &Communicator::connectLinks, py::arg("addrs"), py::arg("ports"),
+           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "measure_links",
+          [](Communicator& c) {
+            torchring::LinkCost cost;
+            {
+              py::gil_scoped_release release;
+              cost = c.measureLinks();
+            }
+            return py::make_tuple(cost.alpha, cost.beta, cost.gamma);
+          },
+          "(alpha, beta, gamma) of this leader's links and host (every leader at once)")
+      .def(
+          "set_link_cost",
+          [](Communicator& c, double alpha, double beta, double gamma) { c.setLinkCost({alpha, beta, gamma}); },
+          py::arg("alpha"), py::arg("beta"), py::arg("gamma"))
+      .def("allreduce_algorithm", &Communicator::allreduceAlgoOf, py::arg("tensor"))
+      .def_property_readonly("link_cost",
+                             [](const Communicator& c) {
+                               const auto& cost = c.linkCost();
+                               return py::make_tuple(cost.alpha, cost.beta, cost.gamma);
+                             })
       .def("start", &Communicator::start)
       .def(
           "set_failure_board",

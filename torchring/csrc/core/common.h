@@ -141,6 +141,8 @@ struct OpHeader {
   uint16_t pageOffset = 0;   // allreduce: the tensor's offset in its page, rounded down to 64
                              // (per rank: where shared memory stages it, transport/shm/group.cpp)
   int32_t root = -1;         // broadcast, reduce, gather, scatter: the root rank
+  uint8_t algo = 0;          // allreduce among several hosts: the Algo (schedule/schedule.h)
+                             // this rank's cost model chose; every rank must choose alike
 
   // Fills ndim and dims from a tensor's sizes.
   void setShape(const int64_t* sizes, int n);

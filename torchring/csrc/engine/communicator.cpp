@@ -51,15 +51,12 @@ Communicator::Communicator(CommOptions options)
   }
   if (numHosts() > 1 && isLeader()) {
     TcpOptions to;
-    const int n = numHosts();
     to.rank = opt_.rank;
-    to.ringIndex = hostIndex_;
-    to.ringSize = n;
-    to.leftRank = opt_.hosts[(hostIndex_ + n - 1) % n][0];
-    to.rightRank = opt_.hosts[(hostIndex_ + 1) % n][0];
+    to.member = hostIndex_;
+    for (const auto& host : opt_.hosts) to.memberRanks.push_back(host[0]);
     to.secret = opt_.secret;
     to.timeoutSec = opt_.timeoutSec;
-    tcp_ = std::make_unique<TcpRing>(to);
+    tcp_ = std::make_unique<TcpLinks>(to);
   }
   if (opt_.size > 1) {
     P2POptions po;
@@ -91,9 +88,11 @@ void Communicator::unlinkShm() {
   if (shm_) shm_->unlinkOwn();
 }
 
-void Communicator::connectRing(const std::string& rightAddr, int rightPort) {
-  if (tcp_) tcp_->connect(rightAddr, rightPort);
+void Communicator::connectLinks(const std::vector<std::string>& addrs, const std::vector<int>& ports) {
+  if (tcp_) tcp_->connect(addrs, ports);
 }
+
+LinkCost Communicator::measureLinks() { return tcp_ ? tcp_->measure() : LinkCost(); }
 
 
 int Communicator::listenP2P(const std::string& bindAddr) { return p2p_ ? p2p_->listen(bindAddr) : -1; }
@@ -103,6 +102,11 @@ void Communicator::setP2PPeers(std::vector<std::string> addrs, std::vector<int> 
 }
 
 void Communicator::start() {
+  if (numHosts() > 1) {
+    std::vector<size_t> hostBytes;
+    for (const auto& host : opt_.hosts) hostBytes.push_back(host.size() * sizeof(OpHeader));
+    headerAlgo_ = allgatherAlgo(hostBytes);
+  }
   if (tcp_ && shm_) tcp_->setOnProgress([this] { shm_->heartbeat(); });
   if (p2p_) p2p_->setOnFailure([this](const std::string& message) { onP2PFailure(message); });
   worker_ = std::thread([this] { workerLoop(); });
@@ -268,9 +272,34 @@ std::shared_ptr<CpuWork> Communicator::submit(OpKind kind, at::Tensor tensor, Re
   checkArgs(kind, tensor, op, root, args);
   Op item;
   item.header = makeHeader(kind, tensor, op, root, &args);
+  item.header.algo = static_cast<uint8_t>(allreduceAlgo(item.header));
   item.tensor = std::move(tensor);
   item.args = std::move(args);
   return enqueue(std::move(item), runInline);
+}
+
+// The algorithm among hosts of an operation that runs an allreduce there (Algo::Auto when
+// there is none): TORCHRING_ALGO's, or the cost model's for this size. 16-bit floats fold
+// float32 partial sums, so they cost as 4-byte elements.
+Algo Communicator::allreduceAlgo(const OpHeader& header) const {
+  const auto kind = static_cast<OpKind>(header.kind);
+  const bool reducesAcrossHosts = kind == OpKind::ALLREDUCE || kind == OpKind::ALLREDUCE_MANY ||
+                                  kind == OpKind::REDUCE_SCATTER || kind == OpKind::REDUCE;
+  if (numHosts() == 1 || !reducesAcrossHosts || header.onGpu) return Algo::Auto;
+  const auto dtype = static_cast<DType>(header.dtype);
+  const size_t esize = isHalfFloat(dtype) ? 4 : elementSize(dtype);
+  return chooseAllreduce(static_cast<Algo>(opt_.algo), numHosts(), header.count, esize, cost_);
+}
+
+std::string Communicator::allreduceAlgoOf(const at::Tensor& tensor) const {
+  DType dtype;
+  if (!engineDType(tensor.scalar_type(), &dtype)) return "";
+  OpHeader header;
+  header.kind = static_cast<uint8_t>(OpKind::ALLREDUCE);
+  header.dtype = static_cast<uint8_t>(dtype);
+  header.count = static_cast<uint64_t>(tensor.numel());
+  const Algo algo = allreduceAlgo(header);
+  return algo == Algo::Auto ? "" : algoName(algo);
 }
 
 // The Python checks of allreduce (collectives/_checks.py check_tensor, check_op), in C++.
@@ -517,7 +546,7 @@ std::vector<OpHeader> Communicator::exchangeHeaders(const OpHeader& header, cons
     for (int h = 0; h < numHosts(); ++h) {
       for (int r : opt_.hosts[h]) blocks[h].push_back({reinterpret_cast<char*>(&all[r]), sizeof(OpHeader)});
     }
-    tcp_->allgather(blocks);
+    tcp_->allgather(headerAlgo_, blocks);
     if (shm_) shm_->publishAllHeaders(all);
   } else {
     shm_->receiveAllHeaders(header.seq, all);
@@ -539,6 +568,17 @@ void Communicator::checkHeaders(const std::vector<OpHeader>& headers) const {
     const OpHeader& other = headers[r];
     if (other.matches(first)) continue;
     std::ostringstream msg;
+    OpHeader sameAlgo = other;
+    sameAlgo.algo = first.algo;
+    if (sameAlgo.matches(first)) {  // only the cross-host algorithm differs
+      msg << rankText() << ": collective #" << first.seq << " (" << sentText(first)
+          << "): ranks chose different algorithms among hosts: rank 0 "
+          << algoName(static_cast<Algo>(first.algo)) << ", rank " << r << " "
+          << algoName(static_cast<Algo>(other.algo))
+          << "; set TORCHRING_ALGO to the same value on every rank (or leave it unset). Nothing was "
+             "sent: this operation failed on every rank and the next collective runs normally";
+      throw MismatchError(msg.str());
+    }
     msg << rankText() << ": collective #" << first.seq << " does not match across ranks: rank 0 sent "
         << sentText(first) << ", rank " << r << " sent " << sentText(other)
         << "; every rank must issue the same collectives in the same order with the same dtype, "

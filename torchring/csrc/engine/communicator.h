@@ -20,7 +20,8 @@
 #include "core/tensor.h"
 #include "transport/p2p/p2p.h"
 #include "transport/shm/group.h"
-#include "transport/tcp/tcp.h"
+#include "schedule/cost.h"
+#include "transport/tcp/links.h"
 #include "core/work.h"
 
 namespace torchring {
@@ -53,6 +54,9 @@ struct CommOptions {
   // Stores for the shared-memory staging writes: 0 measured while running, 1 cached,
   // 2 streaming (StorePolicy, stores.h; TORCHRING_SHM_STORES).
   int stagingStores = 0;
+  // The cross-host algorithm every operation must use (Algo; 0: the cost model chooses per
+  // operation; TORCHRING_ALGO).
+  int algo = 0;
   // Random per-job token every TCP handshake must present.
   std::string secret;
   // For a group's communicator: put in front of its operations' failure messages, e.g.
@@ -92,7 +96,15 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   int listen(const std::string& bindAddr);                  // when leader and numHosts() > 1
   void attachShm(const std::vector<std::string>& names);
   void unlinkShm();
-  void connectRing(const std::string& rightAddr, int rightPort);
+  // Leaders of several hosts: connect to every partner leader (addrs/ports by host index),
+  // then measure the links (every leader at once); every rank then gets the job's agreed
+  // cost (the largest of each leader's figures) before start().
+  void connectLinks(const std::vector<std::string>& addrs, const std::vector<int>& ports);
+  LinkCost measureLinks();
+  void setLinkCost(const LinkCost& cost) { cost_ = cost; }
+  // The algorithm among hosts an allreduce of `tensor` runs ("" on one host).
+  std::string allreduceAlgoOf(const at::Tensor& tensor) const;
+  const LinkCost& linkCost() const { return cost_; }
   void start();
   void setFailureBoard(FailureBoard board);
   // Fails queued operations, stops the progress thread and closes every transport.
@@ -168,6 +180,10 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // Waits for point-to-point transfers a collective posted (rethrows the first failure).
   static void waitAll(const std::vector<std::shared_ptr<CpuWork>>& works);
   std::string failedMessage(const OpHeader& header) const;
+  Algo allreduceAlgo(const OpHeader& header) const;
+  // hierarchy.cpp: the allgather and broadcast algorithm among hosts for these sizes.
+  Algo allgatherAlgo(const std::vector<size_t>& hostBytes) const;
+  Algo broadcastAlgo(size_t bytes) const;
   std::string rankText() const { return "rank " + std::to_string(opt_.rank); }
   std::string explainPeer(int peer, const std::string& message);
 
@@ -176,7 +192,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   int hostIndex_ = 0, localIndex_ = 0;
   std::vector<int> rankHost_, rankLocal_;
   std::unique_ptr<ShmGroup> shm_;
-  std::unique_ptr<TcpRing> tcp_;
+  std::unique_ptr<TcpLinks> tcp_;
+  LinkCost cost_;  // the job's agreed cost model (setLinkCost)
+  Algo headerAlgo_ = Algo::Ring;  // how leaders allgather the headers (chosen at start())
   std::unique_ptr<P2P> p2p_;
   FailureBoard board_;
 

@@ -1,8 +1,10 @@
 // How a collective composes the transports: the shared-memory group within a host and the
-// TCP ring among the hosts' leaders (the first rank of each host). One host: shared memory
-// alone. Several hosts: reduce or gather within the host, run the ring among the leaders,
-// then each leader hands the result to its host. A host of one rank has no shared memory,
-// and the TCP-only transport is "every rank its own host".
+// TCP links among the hosts' leaders (the first rank of each host). One host: shared memory
+// alone. Several hosts: reduce or gather within the host, run the cross-host algorithm among
+// the leaders (the allreduce's is in its header, chosen when it was submitted; allgather's
+// and broadcast's are chosen here from sizes every rank knows alike), then each leader hands
+// the result to its host. A host of one rank has no shared memory, and the TCP-only
+// transport is "every rank its own host".
 #include <cstring>
 
 #include "engine/communicator.h"
@@ -23,15 +25,16 @@ void Communicator::allreduce(char* data, const OpHeader& header,
     else if (scale != 1.0) scaleInPlace(data, count, dtype, scale);
     return;
   }
-  // Several hosts: reduce within the host, ring among the leaders (which applies `scale`
-  // once), then each leader hands the result to its host.
+  // Several hosts: reduce within the host, the header's algorithm among the leaders (which
+  // applies `scale` once), then each leader hands the result to its host.
+  const auto algo = static_cast<Algo>(header.algo);
   if (isHalfFloat(dtype) && shm_) {
     std::vector<float> hostSum(isLeader() ? count : 0);
     shm_->reduceToLeader(data, count, dtype, op, hostSum.data());
-    if (tcp_) tcp_->allreduce(data, count, dtype, op, scale, hostSum.data());
+    if (tcp_) tcp_->allreduce(algo, data, count, dtype, op, scale, hostSum.data());
   } else {
     if (shm_) shm_->allreduce(data, count, dtype, op, 1.0, headers);
-    if (tcp_) tcp_->allreduce(data, count, dtype, op, scale);
+    if (tcp_) tcp_->allreduce(algo, data, count, dtype, op, scale);
   }
   if (shm_) shm_->broadcast(data, count * elementSize(dtype), 0);
 }
@@ -73,7 +76,7 @@ void Communicator::broadcast(char* data, size_t bytes, int root) {
   const int rootHost = rankHost_[root];
   if (shm_ && hostIndex_ == rootHost) shm_->broadcast(data, bytes, rankLocal_[root]);
   if (numHosts() == 1) return;
-  if (tcp_) tcp_->broadcast(data, bytes, rootHost);
+  if (tcp_) tcp_->broadcast(broadcastAlgo(bytes), data, bytes, rootHost);
   if (shm_ && hostIndex_ != rootHost) shm_->broadcast(data, bytes, 0);
 }
 
@@ -109,14 +112,26 @@ at::Tensor Communicator::allgather(const at::Tensor& input, const std::vector<Op
   if (numHosts() > 1) {
     if (tcp_) {
       std::vector<std::vector<Span>> blocks(numHosts());
+      std::vector<size_t> hostBytes(numHosts(), 0);
       for (int h = 0; h < numHosts(); ++h) {
-        for (int r : opt_.hosts[h]) blocks[h].push_back({dst + offset[r], offset[r + 1] - offset[r]});
+        for (int r : opt_.hosts[h]) {
+          blocks[h].push_back({dst + offset[r], offset[r + 1] - offset[r]});
+          hostBytes[h] += offset[r + 1] - offset[r];
+        }
       }
-      tcp_->allgather(blocks);
+      tcp_->allgather(allgatherAlgo(hostBytes), blocks);
     }
     if (shm_) shm_->broadcast(dst, offset[opt_.size], 0);
   }
   return out;
+}
+
+Algo Communicator::allgatherAlgo(const std::vector<size_t>& hostBytes) const {
+  return chooseAllgather(static_cast<Algo>(opt_.algo), hostBytes, cost_);
+}
+
+Algo Communicator::broadcastAlgo(size_t bytes) const {
+  return chooseBroadcast(static_cast<Algo>(opt_.algo), numHosts(), bytes, TcpOptions().segmentBytes, cost_);
 }
 
 }  // namespace torchring

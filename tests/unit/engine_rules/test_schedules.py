@@ -1,0 +1,161 @@
+"""The cross-host schedules (csrc/schedule/) run on plain numbers, in process, through the
+``*_schedule`` bindings the scale model uses too: every member of every member count 1–33 ends
+with every contribution exactly once, messages pair up (what one member sends in a step is what
+its partner receives, unit for unit), steps only name members the links connect, depths are
+the log-depth ones, and the cost model's closed forms equal the schedules' own step sums."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from torchring._core import build as _build
+
+ENGINE = _build.load()
+MEMBERS = list(range(1, 18)) + [24, 31, 32, 33]
+ALLREDUCE_ALGOS = ["ring", "doubling", "rabenseifner"]
+
+
+def _units(ranges: list[tuple[int, int]]) -> list[int]:
+    return [u for first, count in ranges for u in range(first, first + count)]
+
+
+def _run(schedules: list[dict], buffers: list[list[int]], fold: bool) -> None:
+    """Runs every member's steps as messages: a step posts its send (values as they are when
+    the step starts), then waits for its receive from the partner's matching step. Each member's
+    fold steps must all come before its copy steps."""
+    for m, s in enumerate(schedules):
+        phases = [st["fold"] for st in s["steps"]]
+        assert phases == sorted(phases, reverse=True), f"member {m}: a fold step after a copy step"
+    members = len(schedules)
+    mail: dict[tuple[int, int], list[tuple[list[int], list[int], bool]]] = {}
+    pos = [0] * members
+    posted = [False] * members
+    while any(pos[m] < len(schedules[m]["steps"]) for m in range(members)):
+        progressed = False
+        for m in range(members):
+            steps = schedules[m]["steps"]
+            if pos[m] == len(steps):
+                continue
+            step = steps[pos[m]]
+            if not posted[m] and step["send_to"] >= 0:
+                units = _units(step["send"])
+                mail.setdefault((m, step["send_to"]), []).append(
+                    (units, [buffers[m][u] for u in units], step["fold"]))
+            posted[m] = True
+            if step["recv_from"] >= 0:
+                queue = mail.get((step["recv_from"], m), [])
+                if not queue:
+                    continue
+                units, values, partial = queue.pop(0)
+                assert units == _units(step["recv"]), \
+                    f"member {m} step {pos[m]}: expects units {_units(step['recv'])}, partner sent {units}"
+                # Partial results travel in the reduce phase's buffer (float32 for 16-bit floats),
+                # results in the output's: both ends of a message must be in the same phase.
+                assert partial == step["fold"], f"member {m} step {pos[m]}: phases differ from its partner's"
+                for u, v in zip(units, values):
+                    if step["fold"]:
+                        assert fold and buffers[m][u] & v == 0, f"member {m}: unit {u} folded twice"
+                        buffers[m][u] |= v
+                    else:
+                        buffers[m][u] = v
+            pos[m] += 1
+            posted[m] = False
+            progressed = True
+        assert progressed, f"deadlock: members at steps {pos}"
+    assert not any(mail.values()), f"messages nobody received: {mail}"
+
+
+@pytest.mark.parametrize("algo", ALLREDUCE_ALGOS)
+@pytest.mark.parametrize("members", MEMBERS)
+def test_allreduce_every_contribution_once(algo: str, members: int) -> None:
+    everyone = (1 << members) - 1
+    for count in sorted({1, members - 1, members, 2 * members + 3, 37} - {0}):
+        schedules = [ENGINE.allreduce_schedule(algo, members, m, count) for m in range(members)]
+        buffers = [[1 << m] * count for m in range(members)]
+        _run(schedules, buffers, fold=True)
+        for m in range(members):
+            assert buffers[m] == [everyone] * count, f"{algo}, {members} members, {count} elements: member {m}"
+        owned = [u for s in schedules for u in _units(s["owned"])]
+        if algo != "doubling":  # every unit is complete on exactly one member before the copies
+            assert sorted(owned) == list(range(count)), f"{algo}, {members}, {count}: owned {owned}"
+
+
+@pytest.mark.parametrize("members", MEMBERS)
+def test_depths(members: int) -> None:
+    p2 = 1 << (members.bit_length() - 1)
+    log2p2, ceil_log2 = p2.bit_length() - 1, math.ceil(math.log2(members)) if members > 1 else 0
+    fold = 2 if members > p2 else 0
+    steps = {a: max(len(ENGINE.allreduce_schedule(a, members, m, 64)["steps"]) for m in range(members))
+             for a in ALLREDUCE_ALGOS}
+    assert steps["ring"] == 2 * (members - 1)
+    assert steps["doubling"] == log2p2 + fold
+    assert steps["rabenseifner"] == 2 * log2p2 + fold
+    assert max(len(ENGINE.allgather_schedule("bruck", members, m)["steps"]) for m in range(members)) == ceil_log2
+    for root in {0, members // 2, members - 1}:
+        depth = [len(ENGINE.broadcast_schedule("tree", members, m, root, 100)["steps"]) for m in range(members)]
+        assert max(depth) <= ceil_log2 and (members == 1 or min(depth) >= 1)
+
+
+@pytest.mark.parametrize("algo", ["ring", "bruck"])
+@pytest.mark.parametrize("members", MEMBERS)
+def test_allgather_every_block_everywhere(algo: str, members: int) -> None:
+    schedules = [ENGINE.allgather_schedule(algo, members, m) for m in range(members)]
+    buffers = [[(1 << b) if b == m else 0 for b in range(members)] for m in range(members)]
+    _run(schedules, buffers, fold=False)
+    for m in range(members):
+        assert buffers[m] == [1 << b for b in range(members)], f"{algo}, {members}: member {m}"
+
+
+@pytest.mark.parametrize("algo", ["ring", "tree"])
+@pytest.mark.parametrize("members", MEMBERS)
+def test_broadcast_reaches_everyone(algo: str, members: int) -> None:
+    nbytes, segment = 10, 3
+    for root in sorted({0, 1 % members, members - 1}):
+        schedules = [ENGINE.broadcast_schedule(algo, members, m, root, nbytes, segment) for m in range(members)]
+        buffers = [[7] * nbytes if m == root else [0] * nbytes for m in range(members)]
+        _run(schedules, buffers, fold=False)
+        assert all(b == [7] * nbytes for b in buffers), f"{algo}, {members} members, root {root}: {buffers}"
+
+
+@pytest.mark.parametrize("members", MEMBERS)
+def test_steps_only_name_partners(members: int) -> None:
+    partners = [set(ENGINE.partners_of(members, m)) for m in range(members)]
+    for m in range(members):
+        assert m not in partners[m]
+        assert all(m in partners[p] for p in partners[m]), f"{members}: partners of {m} not symmetric"
+        schedules = [ENGINE.allreduce_schedule(a, members, m, 50) for a in ALLREDUCE_ALGOS]
+        schedules += [ENGINE.allgather_schedule(a, members, m) for a in ("ring", "bruck")]
+        schedules += [ENGINE.broadcast_schedule(a, members, m, r, 9, 4) for a in ("ring", "tree")
+                      for r in range(members)]
+        named = {p for s in schedules for st in s["steps"] for p in (st["send_to"], st["recv_from"]) if p >= 0}
+        assert named <= partners[m], f"{members} members: member {m} talks to {named - partners[m]}"
+    assert max(len(p) for p in partners) <= 2 * max(1, math.ceil(math.log2(max(members, 2)))) + 2
+
+
+@pytest.mark.parametrize("algo", ALLREDUCE_ALGOS)
+@pytest.mark.parametrize("members", [2, 3, 4, 5, 7, 8, 12, 16])
+def test_closed_form_is_the_slowest_members_steps(algo: str, members: int) -> None:
+    alpha, beta, gamma = 30e-6, 1e-9, 0.3e-9
+    for count in (members * 64, members * 64 + 5):
+        steps = max(ENGINE.schedule_seconds("allreduce", algo, members, m, count, 4, alpha, beta, gamma)
+                    for m in range(members))
+        closed = ENGINE.allreduce_seconds(algo, members, count, 4, alpha, beta, gamma)
+        if count % (1 << (members.bit_length())) == 0 or count % members == 0 and algo == "ring":
+            assert closed == pytest.approx(steps, rel=1e-9), f"{algo}, {members}, {count}"
+        assert closed >= steps * (1 - 1e-9), f"{algo}, {members}, {count}: closed {closed} < steps {steps}"
+        assert closed <= steps * 1.05 + 1e-12, f"{algo}, {members}, {count}: closed {closed} >> steps {steps}"
+
+
+def test_choice_follows_size_and_host_count() -> None:
+    alpha, beta, gamma = 50e-6, 1 / 1.25e9, 0.2e-9  # 10 Gbit/s
+    choose = ENGINE.choose_allreduce
+    assert choose("auto", 16, 2, 4, alpha, beta, gamma) == "doubling"
+    assert choose("auto", 16, 1 << 16, 4, alpha, beta, gamma) == "rabenseifner"
+    assert choose("auto", 2, 1 << 24, 4, alpha, beta, gamma) in ("ring", "rabenseifner")
+    assert choose("ring", 16, 2, 4, alpha, beta, gamma) == "ring"
+    assert choose("doubling", 16, 1 << 24, 4, alpha, beta, gamma) == "doubling"
+    assert list(ENGINE.ALGOS)[:4] == ["auto", "ring", "doubling", "rabenseifner"]
+    with pytest.raises(ValueError, match="no cross-host algorithm named 'tree-ish'"):
+        choose("tree-ish", 4, 1, 4, alpha, beta, gamma)

@@ -1,0 +1,117 @@
+// The cross-host schedules and their cost model (schedule/), for Python: the scale model
+// (benchmarks/scale_model.py) replays the very steps the engine runs, and the unit tests run
+// every schedule on plain numbers. Algorithms are named by their words ("ring", ...).
+#include <torch/extension.h>
+
+#include "schedule/cost.h"
+#include "schedule/schedule.h"
+
+namespace py = pybind11;
+
+namespace torchring {
+namespace {
+
+constexpr Algo kAlgos[] = {Algo::Auto, Algo::Ring, Algo::Doubling, Algo::Rabenseifner, Algo::Tree, Algo::Bruck};
+
+Algo algoNamed(const std::string& name) {
+  for (Algo a : kAlgos) {
+    if (name == algoName(a)) return a;
+  }
+  throw py::value_error("no cross-host algorithm named '" + name +
+                        "'; expected auto, ring, doubling, rabenseifner, tree or bruck");
+}
+
+py::list ranges(const std::vector<Range>& rs) {
+  py::list out;
+  for (const Range& r : rs) out.append(py::make_tuple(r.first, r.count));
+  return out;
+}
+
+// {"algo": "ring", "owned": [(first, count)], "steps": [{"send_to", "recv_from", "send",
+// "recv", "fold"}]}
+py::dict toPython(const Schedule& s) {
+  py::list steps;
+  for (const Step& step : s.steps) {
+    py::dict d;
+    d["send_to"] = step.sendTo;
+    d["recv_from"] = step.recvFrom;
+    d["send"] = ranges(step.send);
+    d["recv"] = ranges(step.recv);
+    d["fold"] = step.fold;
+    steps.append(d);
+  }
+  py::dict out;
+  out["algo"] = algoName(s.algo);
+  out["steps"] = steps;
+  out["owned"] = ranges(s.owned);
+  return out;
+}
+
+void checkMember(int members, int me) {
+  if (members < 1 || me < 0 || me >= members) {
+    throw py::value_error("member " + std::to_string(me) + " of " + std::to_string(members) +
+                          ": expected 0 <= member < members");
+  }
+}
+
+}  // namespace
+
+void bindSchedules(py::module_& m) {
+  py::list names;
+  for (Algo a : kAlgos) names.append(algoName(a));
+  m.attr("ALGOS") = names;  // index = CommOptions.algo
+  m.def(
+      "allreduce_schedule",
+      [](const std::string& algo, int members, int me, size_t count) {
+        checkMember(members, me);
+        return toPython(allreduceSchedule(algoNamed(algo), members, me, count));
+      },
+      py::arg("algo"), py::arg("members"), py::arg("me"), py::arg("count"),
+      "member `me`'s steps of an allreduce of `count` elements (units: elements)");
+  m.def(
+      "allgather_schedule",
+      [](const std::string& algo, int members, int me) {
+        checkMember(members, me);
+        return toPython(allgatherSchedule(algoNamed(algo), members, me));
+      },
+      py::arg("algo"), py::arg("members"), py::arg("me"), "member `me`'s steps of an allgather (units: blocks)");
+  m.def(
+      "broadcast_schedule",
+      [](const std::string& algo, int members, int me, int root, size_t bytes, size_t segment) {
+        checkMember(members, me);
+        checkMember(members, root);
+        return toPython(broadcastSchedule(algoNamed(algo), members, me, root, bytes, segment));
+      },
+      py::arg("algo"), py::arg("members"), py::arg("me"), py::arg("root"), py::arg("bytes"),
+      py::arg("segment") = 256 << 10, "member `me`'s steps of a broadcast (units: bytes)");
+  m.def("partners_of", &partnersOf, py::arg("members"), py::arg("me"),
+        "the members `me` keeps a connection to");
+  m.def(
+      "allreduce_seconds",
+      [](const std::string& algo, int members, size_t count, size_t esize, double alpha, double beta, double gamma) {
+        return allreduceSeconds(algoNamed(algo), members, count, esize, {alpha, beta, gamma});
+      },
+      py::arg("algo"), py::arg("members"), py::arg("count"), py::arg("esize"), py::arg("alpha"), py::arg("beta"),
+      py::arg("gamma"), "the cost model's seconds for the slowest member");
+  m.def(
+      "schedule_seconds",
+      [](const std::string& kind, const std::string& algo, int members, int me, size_t count, size_t unitBytes,
+         double alpha, double beta, double gamma) {
+        checkMember(members, me);
+        Schedule s = kind == "allreduce" ? allreduceSchedule(algoNamed(algo), members, me, count)
+                                         : allgatherSchedule(algoNamed(algo), members, me);
+        return scheduleSeconds(s, {unitBytes}, {alpha, beta, gamma});
+      },
+      py::arg("kind"), py::arg("algo"), py::arg("members"), py::arg("me"), py::arg("count"), py::arg("unit_bytes"),
+      py::arg("alpha"), py::arg("beta"), py::arg("gamma"), "the cost model summed over one member's steps");
+  m.def(
+      "choose_allreduce",
+      [](const std::string& forced, int members, size_t count, size_t esize, double alpha, double beta,
+         double gamma) {
+        return std::string(algoName(chooseAllreduce(algoNamed(forced), members, count, esize, {alpha, beta, gamma})));
+      },
+      py::arg("forced"), py::arg("members"), py::arg("count"), py::arg("esize"), py::arg("alpha"), py::arg("beta"),
+      py::arg("gamma"), "the algorithm the engine runs for this allreduce");
+}
+
+}  // namespace torchring

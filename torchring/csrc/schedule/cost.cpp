@@ -1,0 +1,117 @@
+// The closed forms of cost.h, step by step as the schedules run (schedule/*_steps.cpp):
+// p2 = powerOfTwoBelow(members), rem = members - p2, n = count·esize, and the fold in and out
+// (when rem > 0) costs the odd member of a pair (alpha + n·beta + n·gamma) + (alpha + n·beta).
+//   ring:          2(members - 1) steps of one chunk, the first members - 1 folding it
+//   doubling:      fold + log2(p2) steps of the whole buffer, each folded
+//   rabenseifner:  fold + log2(p2) halving steps (n/2, n/4, ... sent and folded) and as many
+//                  doubling steps back (..., n/4, n/2 sent)
+// A chunk or block is the largest one (count split as chunkOf), so uneven splits cost what
+// the slowest member pays.
+#include "schedule/cost.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+namespace torchring {
+
+double scheduleSeconds(const Schedule& schedule, const std::vector<size_t>& unitBytes, const LinkCost& cost) {
+  auto bytesOf = [&](const std::vector<Range>& ranges) {
+    size_t total = 0;
+    for (const Range& r : ranges) {
+      if (unitBytes.size() == 1) {
+        total += r.count * unitBytes[0];
+      } else {
+        for (size_t u = r.first; u < r.first + r.count; ++u) total += unitBytes.at(u);
+      }
+    }
+    return static_cast<double>(total);
+  };
+  double seconds = 0;
+  for (const Step& step : schedule.steps) {
+    const double sent = bytesOf(step.send), received = bytesOf(step.recv);
+    seconds += cost.alpha + std::max(sent, received) * cost.beta + (step.fold ? received * cost.gamma : 0.0);
+  }
+  return seconds;
+}
+
+double allreduceSeconds(Algo algo, int members, size_t count, size_t esize, const LinkCost& cost) {
+  if (members <= 1 || count == 0) return 0;
+  const double a = cost.alpha, b = cost.beta, g = cost.gamma;
+  const int p2 = powerOfTwoBelow(members);
+  const double n = static_cast<double>(count * esize);
+  const double fold = members > p2 ? (a + n * b + n * g) + (a + n * b) : 0.0;
+  int logp2 = 0;
+  while ((1 << logp2) < p2) ++logp2;
+  switch (algo) {
+    case Algo::Ring: {
+      const double chunk = static_cast<double>(chunkOf(count, members, 0).count * esize);
+      return (members - 1) * (2 * a + 2 * chunk * b + chunk * g);
+    }
+    case Algo::Doubling:
+      return fold + logp2 * (a + n * b + n * g);
+    case Algo::Rabenseifner: {
+      // Halving step k (from the top) moves the largest window of p2 >> (k + 1) blocks.
+      double halves = 0;
+      for (int k = 0; k < logp2; ++k) {
+        const int window = p2 >> (k + 1);
+        const double w = static_cast<double>(chunkOf(count, p2, 0).count * window * esize);
+        halves += 2 * a + 2 * w * b + w * g;
+      }
+      return fold + halves;
+    }
+    default:
+      throw std::invalid_argument(std::string("allreduceSeconds: no allreduce named ") + algoName(algo));
+  }
+}
+
+double allgatherSeconds(Algo algo, const std::vector<size_t>& blockBytes, const LinkCost& cost) {
+  const int members = static_cast<int>(blockBytes.size());
+  double worst = 0;
+  // Small member counts: the exact slowest member; large ones: member 0 (blocks are alike).
+  for (int me = 0; me < (members <= 64 ? members : 1); ++me) {
+    worst = std::max(worst, scheduleSeconds(allgatherSchedule(algo, members, me), blockBytes, cost));
+  }
+  return worst;
+}
+
+double broadcastSeconds(Algo algo, int members, size_t bytes, size_t segment, const LinkCost& cost) {
+  if (members <= 1 || bytes == 0) return 0;
+  const double n = static_cast<double>(bytes);
+  int depth = 0;
+  while ((1 << depth) < members) ++depth;
+  if (algo == Algo::Tree) return depth * (cost.alpha + n * cost.beta);
+  if (algo == Algo::Ring) {
+    const size_t pieces = (bytes + segment - 1) / segment;
+    const double piece = static_cast<double>(std::min(bytes, segment));
+    return static_cast<double>(members - 2 + pieces) * (cost.alpha + piece * cost.beta);
+  }
+  throw std::invalid_argument(std::string("broadcastSeconds: no broadcast named ") + algoName(algo));
+}
+
+Algo chooseAllreduce(Algo forced, int members, size_t count, size_t esize, const LinkCost& cost) {
+  if (forced != Algo::Auto) return forced;
+  Algo best = Algo::Ring;
+  double bestSeconds = allreduceSeconds(Algo::Ring, members, count, esize, cost);
+  for (Algo a : {Algo::Rabenseifner, Algo::Doubling}) {
+    const double s = allreduceSeconds(a, members, count, esize, cost);
+    if (s < bestSeconds) best = a, bestSeconds = s;
+  }
+  return best;
+}
+
+Algo chooseAllgather(Algo forced, const std::vector<size_t>& blockBytes, const LinkCost& cost) {
+  if (forced == Algo::Ring) return Algo::Ring;
+  return allgatherSeconds(Algo::Bruck, blockBytes, cost) < allgatherSeconds(Algo::Ring, blockBytes, cost)
+             ? Algo::Bruck
+             : Algo::Ring;
+}
+
+Algo chooseBroadcast(Algo forced, int members, size_t bytes, size_t segment, const LinkCost& cost) {
+  if (forced == Algo::Ring) return Algo::Ring;
+  return broadcastSeconds(Algo::Tree, members, bytes, segment, cost) <
+                 broadcastSeconds(Algo::Ring, members, bytes, segment, cost)
+             ? Algo::Tree
+             : Algo::Ring;
+}
+
+}  // namespace torchring

@@ -1,0 +1,39 @@
+// The cost model that picks a cross-host algorithm per operation: each step of a schedule
+// (schedule.h) costs alpha + (the larger of the bytes it sends and receives)·beta + (the
+// bytes it folds)·gamma, steps add up. The closed forms below are that sum along the slowest
+// member's steps (tests/unit/engine_rules checks them against the schedules themselves);
+// choose*() takes the cheapest. alpha and beta are measured on the leaders' links when they
+// connect (TcpLinks::measure), gamma on this host's reduction; the job agrees on the largest
+// of each, so every rank chooses alike (and the choice is in every allreduce's header).
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "schedule/schedule.h"
+
+namespace torchring {
+
+struct LinkCost {
+  double alpha = 50e-6;  // seconds one step costs whatever its size (latency, wake-ups, calls)
+  double beta = 1e-9;    // seconds per byte through one leader's link (1 / bandwidth)
+  double gamma = 0.5e-9;  // seconds per byte folded (the reduction kernel)
+};
+
+// Seconds `schedule` takes on its member: the sum of its steps' costs.
+double scheduleSeconds(const Schedule& schedule, const std::vector<size_t>& unitBytes, const LinkCost& cost);
+// The same in closed form for the slowest member: allreduce of count elements of esize bytes.
+double allreduceSeconds(Algo algo, int members, size_t count, size_t esize, const LinkCost& cost);
+// Allgather of blocks of these byte sizes (one per member), Ring or Bruck.
+double allgatherSeconds(Algo algo, const std::vector<size_t>& blockBytes, const LinkCost& cost);
+// Broadcast of `bytes` from one member, Ring (segment-byte pieces) or Tree.
+double broadcastSeconds(Algo algo, int members, size_t bytes, size_t segment, const LinkCost& cost);
+
+// The cheapest, or `forced` when it is not Auto (Ring forces the ring on every operation;
+// Doubling and Rabenseifner force that allreduce and leave allgather and broadcast to the model).
+Algo chooseAllreduce(Algo forced, int members, size_t count, size_t esize, const LinkCost& cost);
+Algo chooseAllgather(Algo forced, const std::vector<size_t>& blockBytes, const LinkCost& cost);
+Algo chooseBroadcast(Algo forced, int members, size_t bytes, size_t segment, const LinkCost& cost);
+
+}  // namespace torchring

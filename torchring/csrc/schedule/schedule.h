@@ -1,0 +1,79 @@
+// Cross-host schedules: who sends which part of the buffer to whom in which step, for every
+// algorithm the hosts' leaders run among themselves. The engine runs these steps
+// (transport/tcp/steps.cpp, ring.cpp) and the scale model replays the same ones (bindings.cpp
+// binds them; benchmarks/scale_model.py), so the two cannot drift apart.
+//
+// A schedule is written for one member (`me`, a host index in [0, members)) and counts its
+// buffer in units: elements for allreduce, member blocks for allgather (unit b is member b's
+// part of the result), bytes for broadcast. Each Step sends some units to one member and
+// receives some units from one member (either may be absent), at the same time; received
+// units are folded (reduced) into the buffer when `fold` is set, else copied into place.
+// Steps run in order; a step starts when the previous one has ended on this member.
+//
+// Allreduce schedules fold first and copy after: once the last fold step has ended, `owned`
+// units are complete (the engine scales or rounds them there, once), and the copy steps
+// spread them. Non-power-of-two member counts fold in and out as MPI implementations do:
+// with p2 the largest power of two <= members and rem = members - p2, members below 2*rem
+// pair up, the even one of a pair sends its buffer to the odd one (fold in) and sits out;
+// the odd one and every member from 2*rem on form the power-of-two core (core index
+// coreOf(me)); at the end each odd member sends the result back to its even partner.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace torchring {
+
+// The algorithms among hosts. Auto lets the cost model choose (schedule/cost.h).
+enum class Algo : uint8_t {
+  Auto = 0,
+  Ring = 1,          // allreduce: reduce-scatter + allgather around a ring; broadcast: pipelined ring
+  Doubling = 2,      // allreduce: recursive doubling (whole buffer, log2 steps)
+  Rabenseifner = 3,  // allreduce: recursive-halving reduce-scatter + recursive-doubling allgather
+  Tree = 4,          // broadcast: binomial tree from the root
+  Bruck = 5,         // allgather: Bruck's concatenation (distance 1, 2, 4, ...), any member count
+};
+// "ring", "doubling", ...: the words TORCHRING_ALGO takes and messages use.
+const char* algoName(Algo algo);
+
+struct Range {
+  size_t first = 0, count = 0;  // units
+};
+
+struct Step {
+  int sendTo = -1;    // member this step sends to, -1: none
+  int recvFrom = -1;  // member this step receives from, -1: none
+  std::vector<Range> send, recv;
+  // The step belongs to the reduce phase: it sends partial results and folds (reduces) what
+  // it receives into the buffer. Else it spreads results: received units are copied into place.
+  bool fold = false;
+};
+
+struct Schedule {
+  Algo algo = Algo::Ring;
+  std::vector<Step> steps;
+  std::vector<Range> owned;  // allreduce: units complete after the last fold step
+};
+
+// Element range of chunk `i` when `count` elements are split into `parts` chunks, the first
+// count % parts chunks one element longer.
+Range chunkOf(size_t count, int parts, int i);
+
+// The non-power-of-two fold (see above): largest power of two <= members, and core indices.
+int powerOfTwoBelow(int members);
+int coreOf(int members, int me);        // -1 for a member that sits out
+int memberOf(int members, int core);    // the member with core index `core`
+
+// Ring, Doubling or Rabenseifner, for `count` elements.
+Schedule allreduceSchedule(Algo algo, int members, int me, size_t count);
+// Ring or Bruck; units are member blocks.
+Schedule allgatherSchedule(Algo algo, int members, int me);
+// Ring (pipelined in `segment`-byte pieces) or Tree, for `bytes` bytes from member `root`.
+Schedule broadcastSchedule(Algo algo, int members, int me, int root, size_t bytes, size_t segment);
+
+// Every member any schedule above can make `me` talk to, ascending: the leaders' connections.
+std::vector<int> partnersOf(int members, int me);
+
+}  // namespace torchring

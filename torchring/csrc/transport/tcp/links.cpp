@@ -1,0 +1,306 @@
+// The leaders' TCP links (links.h): connecting to every partner, the exchange loop every
+// algorithm moves its bytes with, failures, and measuring the links for the cost model.
+#include "transport/tcp/links.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <sstream>
+
+#include "core/reduce.h"
+#include "transport/tcp/socket.h"
+
+namespace torchring {
+namespace {
+
+using namespace tcpsocket;
+
+// What the leaders' connections speak (socket.h): its magic differs from point-to-point's.
+constexpr Protocol kLinkProtocol{{'T', 'R', 'I', 'N', 'G', '0', '0', '2'}, "the torchring protocol"};
+constexpr double kHelloTimeout = 5.0;  // a connecting peer must say hello within this
+
+}  // namespace
+
+TcpLinks::TcpLinks(TcpOptions options) : opt_(std::move(options)), links_(opt_.memberRanks.size()) {}
+
+TcpLinks::~TcpLinks() { close(); }
+
+void TcpLinks::close() {
+  if (listenFd_ >= 0) ::close(listenFd_);
+  listenFd_ = -1;
+  for (Link& link : links_) {
+    if (link.fd >= 0) {
+      ::shutdown(link.fd, SHUT_RDWR);
+      ::close(link.fd);
+    }
+    link.fd = -1;
+  }
+}
+
+void TcpLinks::interrupt() {
+  for (const Link& link : links_) {
+    if (link.fd >= 0) ::shutdown(link.fd, SHUT_RDWR);
+  }
+}
+
+int TcpLinks::listen(const std::string& bindAddr) {
+  int port = -1;
+  listenFd_ = listenOn(bindAddr, "rank " + std::to_string(opt_.rank), "", &port);
+  return port;
+}
+
+std::string TcpLinks::describe(int member) const {
+  if (member >= 0 && member < members() && !links_[member].desc.empty()) return links_[member].desc;
+  return "rank " + std::to_string(member >= 0 && member < members() ? opt_.memberRanks[member] : -1) +
+         " (leader of host " + std::to_string(member) + ")";
+}
+
+// Takes one waiting connection: it must say a valid hello from the leader of a higher
+// partner not yet connected.
+bool TcpLinks::acceptOne(double remaining) {
+  pollfd pfd{listenFd_, POLLIN, 0};
+  int rc = poll(&pfd, 1, static_cast<int>(std::max(1.0, remaining * 1000)));
+  if (rc <= 0) return false;
+  int fd = acceptWaiting(listenFd_, false);
+  if (fd < 0) return false;
+  setTimeouts(fd, std::min(kHelloTimeout, std::max(0.001, remaining)));
+  Hello hello{};
+  std::string reason = readAll(fd, &hello, sizeof(hello)) ? refusal(hello, kLinkProtocol, opt_.secret)
+                                                          : "it sent no complete handshake";
+  const auto from = std::find(opt_.memberRanks.begin(), opt_.memberRanks.end(), hello.fromRank);
+  const int member = from == opt_.memberRanks.end() ? -1 : static_cast<int>(from - opt_.memberRanks.begin());
+  if (reason.empty() && (member <= opt_.member || hello.toRank != opt_.rank || links_[member].fd >= 0)) {
+    reason = "it claims to be rank " + std::to_string(hello.fromRank) + " connecting to rank " +
+             std::to_string(hello.toRank) + ", not a host leader that connects to this one";
+  }
+  if (reason.empty()) {
+    const auto partners = partnersOf(members(), opt_.member);
+    if (!std::binary_search(partners.begin(), partners.end(), member)) {
+      reason = "rank " + std::to_string(hello.fromRank) + " (leader of host " + std::to_string(member) +
+               ") is not a partner of this host in any schedule";
+    }
+  }
+  if (!reason.empty()) {
+    warn("rank " + std::to_string(opt_.rank) + ": refused connection from " + peerName(fd) + ": " + reason);
+    ::close(fd);
+    return false;
+  }
+  char ack = 'K';
+  if (!writeAll(fd, &ack, 1)) {
+    ::close(fd);
+    return false;
+  }
+  links_[member].fd = fd;
+  links_[member].desc = "rank " + std::to_string(hello.fromRank) + " (leader of host " + std::to_string(member) +
+                        ", " + peerName(fd) + ")";
+  return true;
+}
+
+// Every member dials its lower partners and sends their hellos (the kernel queues both even
+// before the partner accepts), then accepts its higher partners, then reads the lower ones'
+// answers: nobody waits on a partner that is itself waiting.
+void TcpLinks::connect(const std::vector<std::string>& addrs, const std::vector<int>& ports) {
+  const auto start = Clock::now();
+  auto remaining = [&] { return opt_.timeoutSec - secondsSince(start); };
+  const auto partners = partnersOf(members(), opt_.member);
+  int expected = 0;
+  for (int m : partners) {
+    if (m > opt_.member) {
+      ++expected;
+      continue;
+    }
+    links_[m].desc = "rank " + std::to_string(opt_.memberRanks[m]) + " (leader of host " + std::to_string(m) +
+                     ", " + addrs[m] + ":" + std::to_string(ports[m]) + ")";
+    Dial dial;
+    dial.timeoutSec = std::max(0.001, remaining());
+    Dialed dialed = connectWithin(addrs[m], ports[m], dial);
+    if (dialed.unresolved) fail("cannot resolve the address of", m);
+    if (dialed.socketFailed) fail("socket() failed (" + dialed.error + ") connecting to", m);
+    if (dialed.fd < 0) fail("cannot connect (" + dialed.error + ") to", m);
+    links_[m].fd = dialed.fd;
+    setNonBlocking(dialed.fd, false);
+    setTimeouts(dialed.fd, std::max(0.001, remaining()));
+    if (!sendHello(dialed.fd, kLinkProtocol, opt_.secret, opt_.rank, opt_.memberRanks[m])) {
+      fail("cannot send the handshake to", m);
+    }
+  }
+  for (int accepted = 0; accepted < expected;) {
+    if (remaining() <= 0) {
+      int missing = -1;
+      for (int m : partners) {
+        if (m > opt_.member && links_[m].fd < 0) missing = m;
+      }
+      fail("timed out during connection setup waiting for", missing);
+    }
+    if (acceptOne(remaining())) ++accepted;
+  }
+  ::close(listenFd_);
+  listenFd_ = -1;
+  for (int m : partners) {
+    if (m > opt_.member) continue;
+    char ack = 0;
+    setTimeouts(links_[m].fd, std::max(0.001, remaining()));
+    if (!readAll(links_[m].fd, &ack, 1) || ack != 'K') {
+      fail("the handshake was not accepted (different job secret?) by", m);
+    }
+  }
+  for (int m : partners) {
+    setNoDelay(links_[m].fd);
+    setNonBlocking(links_[m].fd, true);
+  }
+}
+
+void TcpLinks::fail(const std::string& why, int member, const std::string& advice) const {
+  std::ostringstream msg;
+  msg << "rank " << opt_.rank << " (this process): " << (hasOp_ ? op_.what() : "setup") << ": " << why << " "
+      << describe(member);
+  if (!advice.empty()) msg << "; " << advice;
+  std::string text = msg.str();
+  if (explain_ && member >= 0 && member < members()) text += explain_(opt_.memberRanks[member], text);
+  throw CommFailedError(text);
+}
+
+// alpha: 20 rounds in which every member sends 8 bytes to its right neighbour and receives
+// 8 from its left one (after one round that lines the members up), the time of a round being
+// what one step of any schedule costs whatever its size: the wire's latency plus the wake-ups
+// and calls on both ends. beta: the same with 1 MiB, less alpha, per byte; the fastest of
+// three. Rounds of a ring rather than of pairs: every member has both neighbours, whatever
+// the member count.
+LinkCost TcpLinks::measure() {
+  LinkCost cost;
+  if (members() < 2) return cost;
+  const int right = (opt_.member + 1) % members(), left = (opt_.member + members() - 1) % members();
+  auto rounds = [&](size_t bytes, int n) {
+    std::vector<char> out(bytes, 1), in(bytes);
+    double best = 1e30;
+    for (int i = 0; i < n; ++i) {
+      const auto t0 = Clock::now();
+      exchange(right, {{out.data(), bytes}}, left, {{in.data(), bytes}});
+      best = std::min(best, secondsSince(t0));
+    }
+    return best;
+  };
+  rounds(8, 1);
+  const auto t0 = Clock::now();
+  constexpr int kRounds = 20;
+  for (int i = 0; i < kRounds; ++i) rounds(8, 1);
+  cost.alpha = secondsSince(t0) / kRounds;
+  constexpr size_t kProbe = 1 << 20;
+  cost.beta = std::max(1e-12, (rounds(kProbe, 3) - cost.alpha) / kProbe);
+  // gamma: one float32 sum of the probe's size on this host.
+  std::vector<float> a(kProbe / 4, 1.0f), b(kProbe / 4, 2.0f);
+  const void* srcs[2] = {a.data(), b.data()};
+  reduceInto(a.data(), nullptr, srcs, 2, a.size(), DType::F32, ReduceOp::SUM);  // warm the pages
+  const auto r0 = Clock::now();
+  reduceInto(a.data(), nullptr, srcs, 2, a.size(), DType::F32, ReduceOp::SUM);
+  cost.gamma = std::max(1e-13, secondsSince(r0) / kProbe);
+  return cost;
+}
+
+// One loop moves both streams: poll for room to send and bytes to read, send what may go,
+// read what came, repeat until both streams are done or no byte moves for the timeout.
+// How much one send() hands the kernel (`piece`): a long stream (streamBytes at least
+// opt_.piecedStreamBytes: a ring of two from 8 MiB up) goes in pieces of
+// opt_.sendPieceBytes; a shorter one in whatever the socket takes. Measured between two
+// network-namespace hosts on 5 Gbit/s links (benchmarks/RESULTS.md, "Issue #15, fourth
+// session"): unpieced, one 16 MiB allreduce handed the kernel about two sends of 2-4 MiB
+// and more (the empty send buffer at the call's start), and under bbr the ring ran at
+// 0.97-1.00 of gloo; pieced, 0.99-1.01. A likely cause, not proven: a send() copying MiBs
+// holds the socket, the acknowledgements that arrive meanwhile wait in its backlog, and a
+// bbr sender limited by its congestion window (`ss`: unacked = cwnd) cannot send until they
+// are processed. Short streams stay whole: on an unshaped link pieces made 1-4 MiB
+// allreduces slower (1 MiB 1.6-2.8x; twice the context switches per call: the reader
+// sleeps between pieces).
+void TcpLinks::exchange(int sendTo, const std::vector<Span>& send, int recvFrom, const std::vector<Span>& recv,
+                        const std::function<void(size_t)>& onRecv,
+                        const std::function<size_t()>& sendable) {
+  auto fdOf = [&](int member, const std::vector<Span>& spans) {
+    if (spans.empty()) return -1;
+    if (member < 0 || member >= members() || links_[member].fd < 0) {
+      fail("internal error: the schedule names a member this host has no connection to:", member);
+    }
+    return links_[member].fd;
+  };
+  const int sendFd = fdOf(sendTo, send), recvFd = fdOf(recvFrom, recv);
+  size_t sendIdx = 0, sendOff = 0, recvIdx = 0, recvOff = 0, received = 0, sent = 0;
+  size_t streamBytes = 0;
+  for (const Span& s : send) streamBytes += s.bytes;
+  const size_t piece = streamBytes >= opt_.piecedStreamBytes ? opt_.sendPieceBytes : SIZE_MAX;
+  auto skipEmpty = [](const std::vector<Span>& spans, size_t& idx, size_t& off) {
+    while (idx < spans.size() && off == spans[idx].bytes) {
+      ++idx;
+      off = 0;
+    }
+  };
+  auto lastProgress = Clock::now();
+  for (;;) {
+    skipEmpty(send, sendIdx, sendOff);
+    skipEmpty(recv, recvIdx, recvOff);
+    const bool sending = sendIdx < send.size(), receiving = recvIdx < recv.size();
+    if (!sending && !receiving) return;
+    // What may go now: the rest of this span, or less where the stream waits for received data.
+    size_t allowed = sending ? std::min(send[sendIdx].bytes - sendOff, piece) : 0;
+    if (sending && sendable) {
+      const size_t limit = sendable();
+      allowed = std::min(allowed, limit > sent ? limit - sent : 0);
+    }
+    if (sending && allowed == 0 && !receiving) {
+      fail("internal error: the send stream waits for data, but nothing is left to receive from", recvFrom);
+    }
+    pollfd fds[2];
+    int nfds = 0;
+    if (allowed > 0) fds[nfds++] = {sendFd, POLLOUT, 0};
+    if (receiving && nfds == 1 && recvFd == sendFd) {
+      fds[0].events |= POLLIN;  // one partner both ways: one socket
+    } else if (receiving) {
+      fds[nfds++] = {recvFd, POLLIN, 0};
+    }
+    int rc = poll(fds, nfds, 100);
+    if (rc < 0 && errno != EINTR) fail(std::string("poll failed: ") + std::strerror(errno), receiving ? recvFrom : sendTo);
+    bool progressed = false;
+    if (allowed > 0) {
+      const Span& s = send[sendIdx];
+      ssize_t w = ::send(sendFd, s.data + sendOff, allowed, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (w > 0) {
+        sendOff += static_cast<size_t>(w);
+        sent += static_cast<size_t>(w);
+        progressed = true;
+      } else if (w < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+        fail(std::string("lost the connection (") + std::strerror(errno) +
+                 "; the peer failed or exited) to",
+             sendTo);
+      }
+    }
+    if (receiving) {
+      const Span& r = recv[recvIdx];
+      ssize_t got = ::recv(recvFd, r.data + recvOff, r.bytes - recvOff, MSG_DONTWAIT);
+      if (got > 0) {
+        recvOff += static_cast<size_t>(got);
+        received += static_cast<size_t>(got);
+        progressed = true;
+        if (onRecv) onRecv(received);
+      } else if (got == 0) {
+        fail("connection closed (the peer failed or exited) by", recvFrom);
+      } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+        fail(std::string("lost the connection (") + std::strerror(errno) + ") from", recvFrom);
+      }
+    }
+    if (progressed) {
+      lastProgress = Clock::now();
+      if (onProgress_) onProgress_();
+    } else if (secondsSince(lastProgress) > opt_.timeoutSec) {
+      std::ostringstream why;
+      why << "hit the " << opt_.timeoutSec << " s timeout with no progress "
+          << (receiving ? "receiving from" : "sending to");
+      fail(why.str(), receiving ? recvFrom : sendTo,
+           std::string("it is stuck, stopped, or issued different collectives; ") + kRaiseTimeout.torchring +
+               " if the work between collectives is that slow");
+    }
+  }
+}
+
+}  // namespace torchring

@@ -1,0 +1,111 @@
+// The TCP links among the hosts' leaders ("members", one per host, by host index): one
+// connection, used both ways, to each partner that any cross-host schedule names
+// (schedule/schedule.h partnersOf: ring neighbours, members at distance 2^k, the recursive
+// doubling partners), and the algorithms that run over them: the streaming ring allreduce
+// (ring.cpp) and every other schedule step by step (steps.cpp). The algorithm of each
+// operation comes from the caller (the cost model, schedule/cost.h).
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "core/common.h"
+#include "schedule/cost.h"
+#include "schedule/schedule.h"
+
+namespace torchring {
+
+struct Span {
+  char* data;
+  size_t bytes;
+};
+
+struct TcpOptions {
+  int rank = 0;                  // global rank of this process
+  int member = 0;                // this leader's host index
+  std::vector<int> memberRanks;  // global rank of every member (each host's leader)
+  std::string secret;            // per-job secret from the store, checked in the handshake
+  double timeoutSec = kDefaultTimeoutSec;  // a transfer that makes no progress this long fails
+  size_t segmentBytes = 256 << 10;  // unit of pipelining and folding as bytes arrive
+  // A send stream of at least piecedStreamBytes goes to the kernel at most sendPieceBytes
+  // per send() call (TcpLinks::exchange says why); a shorter one as much as the socket takes.
+  size_t sendPieceBytes = 128 << 10;
+  size_t piecedStreamBytes = 8 << 20;
+};
+
+class TcpLinks {
+ public:
+  explicit TcpLinks(TcpOptions options);
+  ~TcpLinks();
+
+  int members() const { return static_cast<int>(opt_.memberRanks.size()); }
+
+  // Listens on `bindAddr` (all interfaces when empty) on a free port and returns it.
+  int listen(const std::string& bindAddr);
+  // Connects to every partner: dials the lower ones at addrs[m]:ports[m] (by member) and
+  // accepts the higher ones. Connections that fail the handshake (garbage, wrong secret,
+  // wrong rank) are logged, closed and ignored.
+  void connect(const std::vector<std::string>& addrs, const std::vector<int>& ports);
+  void close();
+  // Unblocks a transfer in progress on another thread (it fails); close() comes after.
+  void interrupt();
+  // Called after every transfer that moved bytes (the leader's heartbeat for its host).
+  void setOnProgress(std::function<void()> onProgress) { onProgress_ = std::move(onProgress); }
+  // alpha and beta of these links, measured with one partner (links.cpp says how); every
+  // member must call it at the same point (it exchanges messages).
+  LinkCost measure();
+
+  // The collectives over raw memory. allreduce: in place, result scaled by `scale`; for
+  // 16-bit floats the folds run on float32 partial sums (`hostSum` when the caller has this
+  // host's sum in float32, else `data` widened) and the result is rounded to 16 bits once.
+  void allreduce(Algo algo, char* data, size_t count, DType dtype, ReduceOp op, double scale,
+                 float* hostSum = nullptr);
+  void broadcast(Algo algo, char* data, size_t bytes, int rootMember);
+  // blocks[m] = the spans of member m; this member's block is already in place.
+  void allgather(Algo algo, const std::vector<std::vector<Span>>& blocks);
+
+  // The operation that failure messages name (its words are made only when one fails).
+  void setOp(const OpHeader& header) { op_ = header; hasOp_ = true; }
+  // Called with (peer rank, this rank's message) when a partner fails us; returns what is
+  // known of why that peer failed ("" if nothing), to be added to the message.
+  void setExplain(std::function<std::string(int, const std::string&)> explain) {
+    explain_ = std::move(explain);
+  }
+
+ private:
+  struct Link {
+    int fd = -1;
+    std::string desc;  // "rank 4 (leader of host 2, 198.18.0.3:40211)"
+  };
+  // Sends `send` to member `sendTo` while receiving `recv` from member `recvFrom` (each a
+  // stream of spans sent or filled in order; -1 or an empty stream: nothing that way);
+  // onRecv(bytes received so far) runs after every read so the caller can consume completed
+  // segments, and sendable(), when given, says how many bytes of the send stream may go so
+  // far (the rest depends on what was received).
+  void exchange(int sendTo, const std::vector<Span>& send, int recvFrom, const std::vector<Span>& recv,
+                const std::function<void(size_t)>& onRecv = nullptr,
+                const std::function<size_t()>& sendable = nullptr);
+  // ring.cpp: the ring allreduce as one stream each way (Algo::Ring).
+  void ringAllreduce(char* data, size_t count, DType dtype, ReduceOp op, double scale, float* hostSum);
+  // steps.cpp: any allreduce schedule, one step at a time, folding as bytes arrive.
+  void stepAllreduce(const Schedule& schedule, char* data, size_t count, DType dtype, ReduceOp op,
+                     double scale, float* hostSum);
+  // Throws CommFailedError: "rank R (this process): <op>: <why> <the partner>; <advice>",
+  // then what the failure board says about the partner.
+  [[noreturn]] void fail(const std::string& why, int member, const std::string& advice = "") const;
+  std::string describe(int member) const;
+  bool acceptOne(double remainingSec);
+
+  TcpOptions opt_;
+  int listenFd_ = -1;
+  std::vector<Link> links_;  // by member; fd -1 for a member that is not a partner
+  OpHeader op_;
+  bool hasOp_ = false;  // no operation yet: messages say "setup"
+  std::vector<char> scratch_;
+  std::vector<float> hostSum_;
+  std::function<std::string(int, const std::string&)> explain_;
+  std::function<void()> onProgress_;
+};
+
+}  // namespace torchring

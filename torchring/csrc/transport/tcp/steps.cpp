@@ -1,0 +1,125 @@
+// The leaders' collectives (links.h): each runs the schedule its algorithm names
+// (schedule/schedule.h), step by step over the links, except the ring allreduce (ring.cpp).
+//
+// stepAllreduce: fold steps send units of the work buffer (float32 partial sums for 16-bit
+// floats, else the data itself) and receive into `scratch_`, folding received units into the
+// work buffer as whole segments arrive; a step whose send and receive ranges overlap
+// (doubling swaps the whole buffer) folds only after its send is done, so it never changes
+// bytes still to be sent. When the fold steps are over, the `owned` units are complete: they
+// are scaled (or rounded to 16 bits) once, into `data`, and the copy steps move `data`.
+#include <algorithm>
+
+#include "core/reduce.h"
+#include "transport/tcp/links.h"
+
+namespace torchring {
+namespace {
+
+bool overlaps(const std::vector<Range>& a, const std::vector<Range>& b) {
+  for (const Range& x : a) {
+    for (const Range& y : b) {
+      if (x.count > 0 && y.count > 0 && x.first < y.first + y.count && y.first < x.first + x.count) return true;
+    }
+  }
+  return false;
+}
+
+std::vector<Span> spansOf(const std::vector<Range>& ranges, char* base, size_t unit) {
+  std::vector<Span> out;
+  for (const Range& r : ranges) out.push_back({base + r.first * unit, r.count * unit});
+  return out;
+}
+
+}  // namespace
+
+void TcpLinks::allreduce(Algo algo, char* data, size_t count, DType dtype, ReduceOp op, double scale,
+                         float* hostSum) {
+  if (members() == 1 || count == 0) return;
+  if (isHalfFloat(dtype) && hostSum == nullptr) {
+    hostSum_.resize(count);
+    widenToFloat(hostSum_.data(), data, count, dtype);
+    hostSum = hostSum_.data();
+  }
+  if (algo == Algo::Ring) return ringAllreduce(data, count, dtype, op, scale, hostSum);
+  stepAllreduce(allreduceSchedule(algo, members(), opt_.member, count), data, count, dtype, op, scale, hostSum);
+}
+
+void TcpLinks::stepAllreduce(const Schedule& schedule, char* data, size_t count, DType dtype, ReduceOp op,
+                             double scale, float* hostSum) {
+  const bool half = isHalfFloat(dtype);
+  char* work = half ? reinterpret_cast<char*>(hostSum) : data;
+  const DType workType = half ? DType::F32 : dtype;
+  const size_t esize = elementSize(workType), outSize = elementSize(dtype);
+  const size_t segBytes = std::max(esize, opt_.segmentBytes / esize * esize);
+  bool finished = false;
+  auto finish = [&] {  // the owned units are complete: scale or round them once
+    for (const Range& r : schedule.owned) {
+      if (half) {
+        narrowFromFloat(data + r.first * outSize, hostSum + r.first, r.count, dtype, scale);
+      } else if (scale != 1.0) {
+        scaleInPlace(data + r.first * outSize, r.count, dtype, scale);
+      }
+    }
+    finished = true;
+  };
+  for (const Step& step : schedule.steps) {
+    if (!step.fold) {
+      if (!finished) finish();
+      exchange(step.sendTo, spansOf(step.send, data, outSize), step.recvFrom, spansOf(step.recv, data, outSize));
+      continue;
+    }
+    size_t bytes = 0;
+    for (const Range& r : step.recv) bytes += r.count * esize;
+    if (scratch_.size() < bytes) scratch_.resize(bytes);
+    // Folds received bytes [folded, upTo) of the scratch into the ranges they belong to.
+    size_t folded = 0;
+    auto foldUpTo = [&](size_t upTo) {
+      size_t at = 0;
+      for (const Range& r : step.recv) {
+        const size_t len = r.count * esize, lo = std::max(folded, at), hi = std::min(upTo, at + len);
+        if (hi > lo) {
+          char* target = work + r.first * esize + (lo - at);
+          const void* srcs[2] = {target, scratch_.data() + lo};
+          reduceInto(target, nullptr, srcs, 2, (hi - lo) / esize, workType, op);
+        }
+        at += len;
+      }
+      folded = std::max(folded, upTo);
+    };
+    const bool foldLate = overlaps(step.send, step.recv);
+    auto onRecv = [&](size_t received) {
+      if (foldLate) return;
+      const size_t upTo = received == bytes ? bytes : received / segBytes * segBytes;
+      if (upTo > folded) foldUpTo(upTo);
+    };
+    std::vector<Span> into;
+    if (step.recvFrom >= 0) into.push_back({scratch_.data(), bytes});
+    exchange(step.sendTo, spansOf(step.send, work, esize), step.recvFrom, into, onRecv);
+    foldUpTo(bytes);
+  }
+  if (!finished) finish();
+}
+
+void TcpLinks::broadcast(Algo algo, char* data, size_t bytes, int rootMember) {
+  if (members() == 1 || bytes == 0) return;
+  const Schedule schedule = broadcastSchedule(algo, members(), opt_.member, rootMember, bytes, opt_.segmentBytes);
+  for (const Step& step : schedule.steps) {
+    exchange(step.sendTo, spansOf(step.send, data, 1), step.recvFrom, spansOf(step.recv, data, 1));
+  }
+}
+
+void TcpLinks::allgather(Algo algo, const std::vector<std::vector<Span>>& blocks) {
+  if (members() == 1) return;
+  auto spans = [&](const std::vector<Range>& ranges) {
+    std::vector<Span> out;
+    for (const Range& r : ranges) {
+      for (size_t b = r.first; b < r.first + r.count; ++b) out.insert(out.end(), blocks[b].begin(), blocks[b].end());
+    }
+    return out;
+  };
+  for (const Step& step : allgatherSchedule(algo, members(), opt_.member).steps) {
+    exchange(step.sendTo, spans(step.send), step.recvFrom, spans(step.recv));
+  }
+}
+
+}  // namespace torchring
