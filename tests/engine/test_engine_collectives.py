@@ -110,9 +110,11 @@ def test_broadcast_allgather_reduce_scatter(layout: str) -> None:
 
 
 @pytest.mark.parametrize("algo", ["ring", "doubling"])
-def test_broadcast_allgather_reduce_scatter_forced(algo: str) -> None:
-    """Ring forces the ring broadcast and allgather; the others leave them to the cost model."""
-    _sweep_on("tcp-3", _rooted_and_gathers, algo)
+@pytest.mark.parametrize("layout", ["tcp-3", "hybrid-abab"])
+def test_broadcast_allgather_reduce_scatter_forced(layout: str, algo: str) -> None:
+    """Ring forces the ring broadcast and allgather, and the ring reduce-scatter among hosts
+    (hybrid-abab: a host's rows are not adjacent); doubling reduce-scatters with an allreduce."""
+    _sweep_on(layout, _rooted_and_gathers, algo)
 
 
 def _tcp_streams(rank: int, comm: Any, world: int) -> list[str]:

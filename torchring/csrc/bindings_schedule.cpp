@@ -69,6 +69,20 @@ void bindSchedules(py::module_& m) {
       py::arg("algo"), py::arg("members"), py::arg("me"), py::arg("count"),
       "member `me`'s steps of an allreduce of `count` elements (units: elements)");
   m.def(
+      "reduce_scatter_schedule",
+      [](int members, int me, const std::vector<std::vector<std::pair<size_t, size_t>>>& blocks) {
+        checkMember(members, me);
+        if (static_cast<int>(blocks.size()) != members) throw py::value_error("reduce_scatter_schedule: one block per member");
+        std::vector<std::vector<Range>> ranges;
+        for (const auto& block : blocks) {
+          ranges.emplace_back();
+          for (const auto& [first, count] : block) ranges.back().push_back({first, count});
+        }
+        return toPython(reduceScatterSchedule(members, me, ranges));
+      },
+      py::arg("members"), py::arg("me"), py::arg("blocks"),
+      "member `me`'s steps of the ring reduce-scatter into blocks[m] = [(first, count)] (units: elements)");
+  m.def(
       "allgather_schedule",
       [](const std::string& algo, int members, int me) {
         checkMember(members, me);

@@ -83,6 +83,26 @@ def test_allreduce_every_contribution_once(algo: str, members: int) -> None:
 
 
 @pytest.mark.parametrize("members", MEMBERS)
+def test_reduce_scatter_owns_its_blocks(members: int) -> None:
+    """Blocks of uneven sizes, some empty, some in two pieces (ranks of a host not adjacent)."""
+    everyone = (1 << members) - 1
+    count = 5 * members + 2
+    blocks = [[(m * 3, 3 if m % 4 else 0)] for m in range(members)]
+    taken = members * 3
+    for m in range(0, members, 2):  # a second piece for every other member
+        blocks[m].append((taken, 2))
+        taken += 2
+    schedules = [ENGINE.reduce_scatter_schedule(members, m, blocks) for m in range(members)]
+    buffers = [[1 << m] * count for m in range(members)]
+    _run(schedules, buffers, fold=True)
+    for m in range(members):
+        for u in _units(blocks[m]):
+            assert buffers[m][u] == everyone, f"{members} members: member {m} unit {u}"
+        assert _units(schedules[m]["owned"]) == _units(blocks[m])
+        assert len(schedules[m]["steps"]) == members - 1
+
+
+@pytest.mark.parametrize("members", MEMBERS)
 def test_depths(members: int) -> None:
     p2 = 1 << (members.bit_length() - 1)
     log2p2, ceil_log2 = p2.bit_length() - 1, math.ceil(math.log2(members)) if members > 1 else 0

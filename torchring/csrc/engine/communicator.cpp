@@ -278,9 +278,10 @@ std::shared_ptr<CpuWork> Communicator::submit(OpKind kind, at::Tensor tensor, Re
   return enqueue(std::move(item), runInline);
 }
 
-// The algorithm among hosts of an operation that runs an allreduce there (Algo::Auto when
-// there is none): TORCHRING_ALGO's, or the cost model's for this size. 16-bit floats fold
-// float32 partial sums, so they cost as 4-byte elements.
+// The algorithm among hosts of an operation that reduces there (Algo::Auto when there is
+// none): TORCHRING_ALGO's, or the cost model's for this size; for reduce_scatter, Ring means
+// the ring reduce-scatter (hierarchy.cpp). 16-bit floats fold float32 partial sums, so they
+// cost as 4-byte elements.
 Algo Communicator::allreduceAlgo(const OpHeader& header) const {
   const auto kind = static_cast<OpKind>(header.kind);
   const bool reducesAcrossHosts = kind == OpKind::ALLREDUCE || kind == OpKind::ALLREDUCE_MANY ||
@@ -288,7 +289,17 @@ Algo Communicator::allreduceAlgo(const OpHeader& header) const {
   if (numHosts() == 1 || !reducesAcrossHosts || header.onGpu) return Algo::Auto;
   const auto dtype = static_cast<DType>(header.dtype);
   const size_t esize = isHalfFloat(dtype) ? 4 : elementSize(dtype);
-  return chooseAllreduce(static_cast<Algo>(opt_.algo), numHosts(), header.count, esize, cost_);
+  const auto forced = static_cast<Algo>(opt_.algo);
+  if (kind == OpKind::REDUCE_SCATTER) {
+    std::vector<size_t> blockBytes;
+    for (const auto& block : hostBlocks(header)) {
+      size_t elements = 0;
+      for (const Range& r : block) elements += r.count;
+      blockBytes.push_back(elements * esize);
+    }
+    return chooseReduceScatter(forced, header.count, esize, blockBytes, cost_);
+  }
+  return chooseAllreduce(forced, numHosts(), header.count, esize, cost_);
 }
 
 std::string Communicator::allreduceAlgoOf(const at::Tensor& tensor) const {

@@ -181,6 +181,8 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   static void waitAll(const std::vector<std::shared_ptr<CpuWork>>& works);
   std::string failedMessage(const OpHeader& header) const;
   Algo allreduceAlgo(const OpHeader& header) const;
+  // Elements of each host's ranks' rows in a reduce_scatter (hierarchy.cpp).
+  std::vector<std::vector<Range>> hostBlocks(const OpHeader& header) const;
   // hierarchy.cpp: the allgather and broadcast algorithm among hosts for these sizes.
   Algo allgatherAlgo(const std::vector<size_t>& hostBytes) const;
   Algo broadcastAlgo(size_t bytes) const;

@@ -5,6 +5,7 @@
 // and broadcast's are chosen here from sizes every rank knows alike), then each leader hands
 // the result to its host. A host of one rank has no shared memory, and the TCP-only
 // transport is "every rank its own host".
+#include <algorithm>
 #include <cstring>
 
 #include "engine/communicator.h"
@@ -43,8 +44,11 @@ void Communicator::allreduce(char* data, const OpHeader& header,
 // rowsOf(D, size, r) rows starting at firstRowOf(D, size, r) of dim 0 (D), so when D is not
 // a multiple of the size the first D % size ranks get one row more. One host and D a
 // multiple: the shared-memory reduce-scatter, which moves a block per rank instead of the
-// whole tensor. Otherwise an allreduce of a copy, keeping this rank's rows. The prescale
-// multiplies a copy of the input; AVG's 1/size and the postscale go to the sum.
+// whole tensor. Several hosts and the header's algorithm Ring: the host's sum goes to its
+// leader, the leaders run the ring reduce-scatter in which each host ends with its ranks'
+// rows (hostBlocks), and the leader hands that part to its host. Otherwise an allreduce of a
+// copy, keeping this rank's rows. The prescale multiplies a copy of the input; AVG's 1/size
+// and the postscale go to the sum.
 at::Tensor Communicator::reduceScatter(const at::Tensor& input, const OpHeader& header,
                                        const std::vector<OpHeader>& headers, const at::Tensor& given) {
   const int64_t total = input.size(0);
@@ -67,7 +71,29 @@ at::Tensor Communicator::reduceScatter(const at::Tensor& input, const OpHeader& 
   }
   at::Tensor full = input.clone();
   if (header.prescale != 1.0) scaleInPlace(full.data_ptr(), header.count, dtype, header.prescale);
-  allreduce(static_cast<char*>(full.data_ptr()), header, headers);
+  char* data = static_cast<char*>(full.data_ptr());
+  if (numHosts() > 1 && static_cast<Algo>(header.algo) == Algo::Ring) {
+    auto op = static_cast<ReduceOp>(header.op);
+    const double scale = (op == ReduceOp::AVG ? 1.0 / opt_.size : 1.0) * header.postscale;
+    if (op == ReduceOp::AVG) op = ReduceOp::SUM;
+    const auto blocks = hostBlocks(header);
+    if (isHalfFloat(dtype) && shm_) {
+      std::vector<float> hostSum(isLeader() ? header.count : 0);
+      shm_->reduceToLeader(data, header.count, dtype, op, hostSum.data());
+      if (tcp_) tcp_->reduceScatter(data, header.count, dtype, op, scale, blocks, hostSum.data());
+    } else {
+      if (shm_) shm_->allreduce(data, header.count, dtype, op, 1.0, headers);
+      if (tcp_) tcp_->reduceScatter(data, header.count, dtype, op, scale, blocks);
+    }
+    if (shm_) {  // the span of this host's rows
+      size_t lo = SIZE_MAX, hi = 0;
+      for (const Range& r : blocks[hostIndex_]) lo = std::min(lo, r.first), hi = std::max(hi, r.first + r.count);
+      const size_t esize = elementSize(dtype);
+      if (hi > lo) shm_->broadcast(data + lo * esize, (hi - lo) * esize, 0);
+    }
+  } else {
+    allreduce(data, header, headers);
+  }
   return full.narrow(0, firstRowOf(total, opt_.size, opt_.rank), rows).clone();
 }
 
@@ -124,6 +150,24 @@ at::Tensor Communicator::allgather(const at::Tensor& input, const std::vector<Op
     if (shm_) shm_->broadcast(dst, offset[opt_.size], 0);
   }
   return out;
+}
+
+std::vector<std::vector<Range>> Communicator::hostBlocks(const OpHeader& header) const {
+  const int64_t total = header.ndim > 0 ? header.dims[0] : 1;
+  const size_t rowElems = total > 0 ? header.count / static_cast<size_t>(total) : 0;
+  std::vector<std::vector<Range>> blocks(numHosts());
+  for (int h = 0; h < numHosts(); ++h) {
+    for (int r : opt_.hosts[h]) {
+      const Range rows{static_cast<size_t>(firstRowOf(total, opt_.size, r)) * rowElems,
+                       static_cast<size_t>(rowsOf(total, opt_.size, r)) * rowElems};
+      if (!blocks[h].empty() && blocks[h].back().first + blocks[h].back().count == rows.first) {
+        blocks[h].back().count += rows.count;  // ranks with adjacent rows: one range
+      } else {
+        blocks[h].push_back(rows);
+      }
+    }
+  }
+  return blocks;
 }
 
 Algo Communicator::allgatherAlgo(const std::vector<size_t>& hostBytes) const {

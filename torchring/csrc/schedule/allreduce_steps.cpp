@@ -145,6 +145,21 @@ Schedule rabenseifner(int members, int me, size_t count) {
 
 }  // namespace
 
+// The ring's reduce-scatter shifted by one, so that member `me` ends owning its own block:
+// in step s it sends block (me - s - 1) to the right and folds block (me - s - 2) from the left.
+Schedule reduceScatterSchedule(int members, int me, const std::vector<std::vector<Range>>& blocks) {
+  if (members < 1 || me < 0 || me >= members || static_cast<int>(blocks.size()) != members) {
+    throw std::invalid_argument("reduceScatterSchedule: bad member or blocks");
+  }
+  Schedule s;
+  s.algo = Algo::Ring;
+  auto block = [&](int i) { return blocks[((i % members) + members) % members]; };
+  const int right = (me + 1) % members, left = (me + members - 1) % members;
+  for (int k = 0; k < members - 1; ++k) s.steps.push_back({right, left, block(me - k - 1), block(me - k - 2), true});
+  s.owned = blocks[me];
+  return s;
+}
+
 Schedule allreduceSchedule(Algo algo, int members, int me, size_t count) {
   if (members < 1 || me < 0 || me >= members) throw std::invalid_argument("allreduceSchedule: bad member");
   if (members == 1) return Schedule{algo, {}, {whole(count)}};

@@ -99,6 +99,23 @@ Algo chooseAllreduce(Algo forced, int members, size_t count, size_t esize, const
   return best;
 }
 
+double reduceScatterSeconds(const std::vector<size_t>& blockBytes, const LinkCost& cost) {
+  const size_t members = blockBytes.size();
+  if (members <= 1) return 0;
+  const double largest = static_cast<double>(*std::max_element(blockBytes.begin(), blockBytes.end()));
+  return static_cast<double>(members - 1) * (cost.alpha + largest * (cost.beta + cost.gamma));
+}
+
+Algo chooseReduceScatter(Algo forced, size_t count, size_t esize, const std::vector<size_t>& blockBytes,
+                         const LinkCost& cost) {
+  const int members = static_cast<int>(blockBytes.size());
+  if (forced == Algo::Ring) return Algo::Ring;
+  const Algo whole = chooseAllreduce(forced, members, count, esize, cost);
+  if (forced != Algo::Auto) return whole;
+  return reduceScatterSeconds(blockBytes, cost) <= allreduceSeconds(whole, members, count, esize, cost) ? Algo::Ring
+                                                                                                       : whole;
+}
+
 Algo chooseAllgather(Algo forced, const std::vector<size_t>& blockBytes, const LinkCost& cost) {
   if (forced == Algo::Ring) return Algo::Ring;
   return allgatherSeconds(Algo::Bruck, blockBytes, cost) < allgatherSeconds(Algo::Ring, blockBytes, cost)

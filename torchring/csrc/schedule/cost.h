@@ -30,9 +30,17 @@ double allgatherSeconds(Algo algo, const std::vector<size_t>& blockBytes, const 
 // Broadcast of `bytes` from one member, Ring (segment-byte pieces) or Tree.
 double broadcastSeconds(Algo algo, int members, size_t bytes, size_t segment, const LinkCost& cost);
 
+// Reduce-scatter into blocks of these byte sizes (one per member) around the ring.
+double reduceScatterSeconds(const std::vector<size_t>& blockBytes, const LinkCost& cost);
+
 // The cheapest, or `forced` when it is not Auto (Ring forces the ring on every operation;
 // Doubling and Rabenseifner force that allreduce and leave allgather and broadcast to the model).
 Algo chooseAllreduce(Algo forced, int members, size_t count, size_t esize, const LinkCost& cost);
+// Reduce-scatter among hosts: Algo::Ring for the ring reduce-scatter (reduceScatterSchedule),
+// else the allreduce algorithm whose result each host slices (cheaper for small sizes, where
+// log-depth steps win). `count` and `esize` describe the whole tensor, blockBytes the hosts' parts.
+Algo chooseReduceScatter(Algo forced, size_t count, size_t esize, const std::vector<size_t>& blockBytes,
+                         const LinkCost& cost);
 Algo chooseAllgather(Algo forced, const std::vector<size_t>& blockBytes, const LinkCost& cost);
 Algo chooseBroadcast(Algo forced, int members, size_t bytes, size_t segment, const LinkCost& cost);
 

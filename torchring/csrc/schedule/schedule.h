@@ -68,6 +68,9 @@ int memberOf(int members, int core);    // the member with core index `core`
 
 // Ring, Doubling or Rabenseifner, for `count` elements.
 Schedule allreduceSchedule(Algo algo, int members, int me, size_t count);
+// Reduce-scatter around the ring: member m ends owning `blocks[m]` (element ranges, any
+// sizes, member blocks disjoint) reduced over every member; nothing is spread after.
+Schedule reduceScatterSchedule(int members, int me, const std::vector<std::vector<Range>>& blocks);
 // Ring or Bruck; units are member blocks.
 Schedule allgatherSchedule(Algo algo, int members, int me);
 // Ring (pipelined in `segment`-byte pieces) or Tree, for `bytes` bytes from member `root`.

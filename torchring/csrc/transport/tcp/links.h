@@ -61,6 +61,10 @@ class TcpLinks {
   // host's sum in float32, else `data` widened) and the result is rounded to 16 bits once.
   void allreduce(Algo algo, char* data, size_t count, DType dtype, ReduceOp op, double scale,
                  float* hostSum = nullptr);
+  // Reduce-scatter around the ring (reduceScatterSchedule): member m ends with blocks[m]
+  // reduced and scaled (or rounded, as allreduce); the rest of `data` is left undefined.
+  void reduceScatter(char* data, size_t count, DType dtype, ReduceOp op, double scale,
+                     const std::vector<std::vector<Range>>& blocks, float* hostSum = nullptr);
   void broadcast(Algo algo, char* data, size_t bytes, int rootMember);
   // blocks[m] = the spans of member m; this member's block is already in place.
   void allgather(Algo algo, const std::vector<std::vector<Span>>& blocks);

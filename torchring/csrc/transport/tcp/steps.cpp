@@ -44,6 +44,17 @@ void TcpLinks::allreduce(Algo algo, char* data, size_t count, DType dtype, Reduc
   stepAllreduce(allreduceSchedule(algo, members(), opt_.member, count), data, count, dtype, op, scale, hostSum);
 }
 
+void TcpLinks::reduceScatter(char* data, size_t count, DType dtype, ReduceOp op, double scale,
+                             const std::vector<std::vector<Range>>& blocks, float* hostSum) {
+  if (count == 0) return;
+  if (isHalfFloat(dtype) && hostSum == nullptr) {
+    hostSum_.resize(count);
+    widenToFloat(hostSum_.data(), data, count, dtype);
+    hostSum = hostSum_.data();
+  }
+  stepAllreduce(reduceScatterSchedule(members(), opt_.member, blocks), data, count, dtype, op, scale, hostSum);
+}
+
 void TcpLinks::stepAllreduce(const Schedule& schedule, char* data, size_t count, DType dtype, ReduceOp op,
                              double scale, float* hostSum) {
   const bool half = isHalfFloat(dtype);
