@@ -5,7 +5,7 @@
     python benchmarks/allreduce.py --quick              # world 2; 4K,1M,16M; 3 trials
     python benchmarks/allreduce.py --bind core          # every rank bound to one core (mpirun's default)
     python benchmarks/allreduce.py --worlds 2 --sizes 1M,64M --dtypes fp32 --json b1.json --plot b1.png
-    python benchmarks/allreduce.py --transport tcp      # force torchring's TCP ring
+    python benchmarks/allreduce.py --transport tcp      # force torchring's TCP links (each rank its own host)
     (across hosts: benchmarks/crosshost.py, with iperf3 as the link reference)
 
 Libraries (benchmarks/_peers.py): torchring on plain torch.empty tensors, torchring-shm on

@@ -1,4 +1,4 @@
-"""Cross-host allreduce: torchring's TCP ring vs torch.distributed gloo vs raw TCP (iperf3), one link.
+"""Cross-host allreduce: torchring between hosts vs torch.distributed gloo vs raw TCP (iperf3), one link.
 
     python benchmarks/crosshost.py                         # 2 hosts x 1 rank, 1 Gbit/s links, 1M..64M fp32
     python benchmarks/crosshost.py --rate 5gbit --sizes 16M,64M --trials 7 --json xh.json
@@ -19,7 +19,7 @@ run, on the same links:
   a 2-rank ring does; on a shaped link it matches one way, on an unshaped veth the CPU splits);
 - the job: --per-host ranks on each of --hosts hosts (env:// rendezvous at host 0, RANK/WORLD_SIZE
   per process); every rank joins a gloo process group and torchring (`torchring.init()`; across
-  hosts that is the TCP ring). Per size and library: an exact check on integer data (#wrong,
+  hosts that is the leaders' TCP links). Per size and library: an exact check on integer data (#wrong,
   summed over ranks), a warm-up that calibrates `iters` so one trial takes about --trial-s
   seconds, then --trials trials *interleaved* between the libraries (the first library alternates
   between trials), each a barrier and `iters` back-to-back in-place allreduces timed as the mean

@@ -2,7 +2,7 @@
 
 Run it on 2 ranks of this host (shared memory):
     torchrun --standalone --nproc_per_node=2 examples/collectives.py
-Force the TCP ring, 3 ranks:
+Force TCP between every rank (each its own host), 3 ranks:
     TORCHRING_TRANSPORT=tcp torchrun --standalone --nproc_per_node=3 examples/collectives.py
 """
 

@@ -8,7 +8,7 @@ torch calls ``_create`` once per process group (the world, then every ``new_grou
 DeviceMesh sub-group, on its members only) with the group's store, already prefixed by torch,
 as the rendezvous: no second store. ``_create`` meets the group's other ranks through it (the
 job secret and the transport setting from the group's rank 0, every rank's host) and wires an
-engine Communicator (shared memory within a host, a TCP ring between hosts, point-to-point
+engine Communicator (shared memory within a host, TCP links between hosts, point-to-point
 streams) with ``torchring.init()``'s own code (_core/rendezvous.py ``connect``), and wraps it
 in the C++ backend (csrc/c10d/backend.h). The process group's timeout becomes the engine's: a
 mismatch or a dead peer fails the op's Work and Future within it. ``destroy_process_group()``

@@ -7,7 +7,7 @@ rank publishes the ranks it asked for under ``{prefix}group/{id}/ranks/{rank}``;
 read every rank's list, so a rank that asked for another group is named (ValueError) and one
 that never called is named after the timeout (CommunicatorFailedError). The members then wire a
 communicator of their own under ``{prefix}group/{id}/`` exactly as init() wires the world's:
-shared memory among the members of each host, a TCP ring between hosts.
+shared memory among the members of each host, TCP links between hosts.
 
 collectives/groups.py puts a method per collective on top (the public Group); the collectives take a
 Group or None (the world) and turn it into a Target with ``target()``.

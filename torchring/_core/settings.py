@@ -177,7 +177,7 @@ def _ipv4(name: str, raw: str, default: str) -> str:
     try:
         ipaddress.IPv4Address(raw)
     except ValueError:
-        raise fail(name, raw, "a local IPv4 address such as 198.18.0.1 (the TCP ring listens on IPv4)",
+        raise fail(name, raw, "a local IPv4 address such as 198.18.0.1 (the TCP links listen on IPv4)",
                    default) from None
     return raw
 

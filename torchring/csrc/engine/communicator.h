@@ -1,7 +1,7 @@
 // The per-process communicator: topology, an ordered queue of collectives, the progress
 // thread that runs them, and how the transports combine. communicator.cpp holds the queue,
 // the header checks and failure handling; hierarchy.cpp the algorithms that compose the
-// shared-memory group and the TCP ring (within a host, then between hosts).
+// shared-memory group and the leaders' TCP links (within a host, then between hosts).
 #pragma once
 
 #include <ATen/ATen.h>

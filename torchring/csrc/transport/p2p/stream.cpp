@@ -116,7 +116,7 @@ class TcpIn : public InStream {
 };
 
 // What point-to-point connections speak (transport/tcp/socket.h): its magic differs from
-// the TCP ring's, so neither accepts the other's connections.
+// the leaders' links', so neither accepts the other's connections.
 constexpr tcpsocket::Protocol kP2PProtocol{{'T', 'R', 'P', '2', 'P', '0', '0', '1'},
                                            "torchring's point-to-point protocol"};
 

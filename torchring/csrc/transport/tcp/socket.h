@@ -1,4 +1,4 @@
-// The TCP socket layer under both TCP users: the ring between hosts (TcpRing, tcp.cpp) and
+// The TCP socket layer under both TCP users: the links among the hosts' leaders (TcpLinks, links.cpp) and
 // the point-to-point streams (transport/p2p/stream.cpp). Listening, connecting within a
 // deadline, and the hello a connecting rank says first; each user speaks its own protocol
 // (its magic) and decides what a refused or failed connection means.
