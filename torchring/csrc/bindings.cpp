@@ -288,6 +288,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           [](Communicator& c, double alpha, double beta, double gamma) { c.setLinkCost({alpha, beta, gamma}); },
           py::arg("alpha"), py::arg("beta"), py::arg("gamma"))
       .def("allreduce_algorithm", &Communicator::allreduceAlgoOf, py::arg("tensor"))
+      .def_property("algo", &Communicator::forcedAlgo, &Communicator::setForcedAlgo,
+                    "the forced algorithm among hosts (ALGOS index, 0: auto); set only between operations")
       .def_property_readonly("link_cost",
                              [](const Communicator& c) {
                                const auto& cost = c.linkCost();

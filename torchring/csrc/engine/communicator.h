@@ -102,6 +102,10 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   void connectLinks(const std::vector<std::string>& addrs, const std::vector<int>& ports);
   LinkCost measureLinks();
   void setLinkCost(const LinkCost& cost) { cost_ = cost; }
+  // CommOptions::algo after start (benchmarks that interleave algorithms): only while no
+  // operation is queued, and on every rank alike (a difference is a named mismatch).
+  void setForcedAlgo(int algo) { opt_.algo = algo; }
+  int forcedAlgo() const { return opt_.algo; }
   // The algorithm among hosts an allreduce of `tensor` runs ("" on one host).
   std::string allreduceAlgoOf(const at::Tensor& tensor) const;
   const LinkCost& linkCost() const { return cost_; }
