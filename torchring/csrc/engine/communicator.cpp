@@ -102,11 +102,6 @@ void Communicator::setP2PPeers(std::vector<std::string> addrs, std::vector<int> 
 }
 
 void Communicator::start() {
-  if (numHosts() > 1) {
-    std::vector<size_t> hostBytes;
-    for (const auto& host : opt_.hosts) hostBytes.push_back(host.size() * sizeof(OpHeader));
-    headerAlgo_ = allgatherAlgo(hostBytes);
-  }
   if (tcp_ && shm_) tcp_->setOnProgress([this] { shm_->heartbeat(); });
   if (p2p_) p2p_->setOnFailure([this](const std::string& message) { onP2PFailure(message); });
   worker_ = std::thread([this] { workerLoop(); });
@@ -490,6 +485,7 @@ at::Tensor Communicator::run(Op& op) {
   if (tcp_) {
     tcp_->setOp(header);
   }
+  if (numHosts() > 1 && carriedBytes(header, true) > 0) return runCarried(op);
   std::vector<OpHeader> headers = exchangeHeaders(header, op.tensor);
   checkHeaders(headers);
   if (header.onGpu) {  // NCCL moves this operation's data
@@ -540,7 +536,7 @@ at::Tensor Communicator::run(Op& op) {
 }
 
 // Every rank learns every rank's header: within a host through shared memory, between
-// hosts by a ring allgather among the leaders, who then publish the full table locally. On
+// hosts by the leaders' header exchange (fused.cpp), who then publish the full table locally. On
 // one host a small allreduce stages `tensor`'s data with its header (one synchronization
 // for both, ShmGroup::fitsOneSync).
 std::vector<OpHeader> Communicator::exchangeHeaders(const OpHeader& header, const at::Tensor& tensor) {
@@ -552,16 +548,7 @@ std::vector<OpHeader> Communicator::exchangeHeaders(const OpHeader& header, cons
   }
   if (shm_) shm_->exchangeHeaders(header, all);
   if (numHosts() == 1) return all;
-  if (isLeader()) {
-    std::vector<std::vector<Span>> blocks(numHosts());
-    for (int h = 0; h < numHosts(); ++h) {
-      for (int r : opt_.hosts[h]) blocks[h].push_back({reinterpret_cast<char*>(&all[r]), sizeof(OpHeader)});
-    }
-    tcp_->allgather(headerAlgo_, blocks);
-    if (shm_) shm_->publishAllHeaders(all);
-  } else {
-    shm_->receiveAllHeaders(header.seq, all);
-  }
+  exchangeHostHeaders(all, nullptr);
   return all;
 }
 

@@ -185,6 +185,12 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   static void waitAll(const std::vector<std::shared_ptr<CpuWork>>& works);
   std::string failedMessage(const OpHeader& header) const;
   Algo allreduceAlgo(const OpHeader& header) const;
+  // fused.cpp: the leaders' header exchange and the small allreduces that ride on it.
+  static size_t carriedBytes(const OpHeader& header, bool partial);
+  std::vector<std::vector<Span>> headerSpans(std::vector<OpHeader>& all) const;
+  // `all` holds this host's headers; fills the others (carry: what this operation carries).
+  void exchangeHostHeaders(std::vector<OpHeader>& all, const TcpLinks::Carry* carry);
+  at::Tensor runCarried(Op& op);
   // Elements of each host's ranks' rows in a reduce_scatter (hierarchy.cpp).
   std::vector<std::vector<Range>> hostBlocks(const OpHeader& header) const;
   // hierarchy.cpp: the allgather and broadcast algorithm among hosts for these sizes.
@@ -200,7 +206,6 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   std::unique_ptr<ShmGroup> shm_;
   std::unique_ptr<TcpLinks> tcp_;
   LinkCost cost_;  // the job's agreed cost model (setLinkCost)
-  Algo headerAlgo_ = Algo::Ring;  // how leaders allgather the headers (chosen at start())
   std::unique_ptr<P2P> p2p_;
   FailureBoard board_;
 

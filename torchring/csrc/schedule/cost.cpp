@@ -88,12 +88,22 @@ double broadcastSeconds(Algo algo, int members, size_t bytes, size_t segment, co
   throw std::invalid_argument(std::string("broadcastSeconds: no broadcast named ") + algoName(algo));
 }
 
+double headerSeconds(int members, const LinkCost& cost) {
+  if (members <= 1) return 0;
+  const int p2 = powerOfTwoBelow(members);
+  int steps = members > p2 ? 2 : 0;
+  for (int mask = 1; mask < p2; mask <<= 1) ++steps;
+  return steps * cost.alpha;
+}
+
 Algo chooseAllreduce(Algo forced, int members, size_t count, size_t esize, const LinkCost& cost) {
   if (forced != Algo::Auto) return forced;
+  const double header = headerSeconds(members, cost);
+  const bool carried = count * esize <= kCarriedLimitBytes;
   Algo best = Algo::Ring;
-  double bestSeconds = allreduceSeconds(Algo::Ring, members, count, esize, cost);
+  double bestSeconds = allreduceSeconds(Algo::Ring, members, count, esize, cost) + header;
   for (Algo a : {Algo::Rabenseifner, Algo::Doubling}) {
-    const double s = allreduceSeconds(a, members, count, esize, cost);
+    const double s = allreduceSeconds(a, members, count, esize, cost) + (a == Algo::Doubling && carried ? 0 : header);
     if (s < bestSeconds) best = a, bestSeconds = s;
   }
   return best;

@@ -15,6 +15,10 @@
 
 namespace torchring {
 
+// The largest allreduce (its partial results' bytes) that rides on the header exchange
+// (engine/fused.cpp) when its algorithm is Doubling: it then costs no header exchange of its own.
+inline constexpr size_t kCarriedLimitBytes = 64 << 10;
+
 struct LinkCost {
   double alpha = 50e-6;  // seconds one step costs whatever its size (latency, wake-ups, calls)
   double beta = 1e-9;    // seconds per byte through one leader's link (1 / bandwidth)
@@ -33,8 +37,12 @@ double broadcastSeconds(Algo algo, int members, size_t bytes, size_t segment, co
 // Reduce-scatter into blocks of these byte sizes (one per member) around the ring.
 double reduceScatterSeconds(const std::vector<size_t>& blockBytes, const LinkCost& cost);
 
+// Seconds of the header exchange every operation among hosts starts with (Doubling's steps).
+double headerSeconds(int members, const LinkCost& cost);
+
 // The cheapest, or `forced` when it is not Auto (Ring forces the ring on every operation;
 // Doubling and Rabenseifner force that allreduce and leave allgather and broadcast to the model).
+// An allreduce's cost counts the header exchange, which a small Doubling one rides on.
 Algo chooseAllreduce(Algo forced, int members, size_t count, size_t esize, const LinkCost& cost);
 // Reduce-scatter among hosts: Algo::Ring for the ring reduce-scatter (reduceScatterSchedule),
 // else the allreduce algorithm whose result each host slices (cheaper for small sizes, where

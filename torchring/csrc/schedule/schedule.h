@@ -76,6 +76,15 @@ Schedule allgatherSchedule(Algo algo, int members, int me);
 // Ring (pipelined in `segment`-byte pieces) or Tree, for `bytes` bytes from member `root`.
 Schedule broadcastSchedule(Algo algo, int members, int me, int root, size_t bytes, size_t segment);
 
+// When every message of a schedule also carries the blocks its sender knows so far (each
+// member starts knowing its own), which members' blocks each of `me`'s steps sends and
+// receives. Under Doubling every member ends knowing every block: an allgather riding on
+// the allreduce (the header exchange, engine/fused.cpp).
+struct Carried {
+  std::vector<int> sent, received;  // member blocks, ascending
+};
+std::vector<Carried> carriedAlong(Algo algo, int members, int me);
+
 // Every member any schedule above can make `me` talk to, ascending: the leaders' connections.
 std::vector<int> partnersOf(int members, int me);
 

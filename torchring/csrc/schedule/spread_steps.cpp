@@ -14,6 +14,8 @@
 // other member receives piece k from the left and forwards piece k - 1 to the right, unless
 // its right neighbour is the root.
 #include <algorithm>
+#include <deque>
+#include <map>
 #include <set>
 #include <stdexcept>
 
@@ -95,6 +97,52 @@ Schedule broadcastSchedule(Algo algo, int members, int me, int root, size_t byte
     throw std::invalid_argument(std::string("broadcastSchedule: no broadcast named ") + algoName(algo));
   }
   return s;
+}
+
+// Replays every member's steps as messages (a step posts its send, then waits for the
+// matching receive from its partner, messages between two members kept in order), each
+// message carrying the set of blocks its sender knows when the step starts.
+std::vector<Carried> carriedAlong(Algo algo, int members, int me) {
+  std::vector<Schedule> all;
+  for (int m = 0; m < members; ++m) all.push_back(allreduceSchedule(algo, members, m, 1));
+  std::vector<std::vector<bool>> known(members, std::vector<bool>(members, false));
+  for (int m = 0; m < members; ++m) known[m][m] = true;
+  std::map<std::pair<int, int>, std::deque<std::vector<bool>>> queue;  // (from, to) -> messages
+  std::vector<size_t> pos(members, 0);
+  std::vector<bool> posted(members, false);
+  std::vector<Carried> out(all[me].steps.size());
+  auto members_of = [&](const std::vector<bool>& set) {
+    std::vector<int> list;
+    for (int b = 0; b < members; ++b) {
+      if (set[b]) list.push_back(b);
+    }
+    return list;
+  };
+  for (bool progressed = true; progressed;) {
+    progressed = false;
+    for (int m = 0; m < members; ++m) {
+      if (pos[m] == all[m].steps.size()) continue;
+      const Step& step = all[m].steps[pos[m]];
+      if (!posted[m] && step.sendTo >= 0) {
+        queue[{m, step.sendTo}].push_back(known[m]);
+        if (m == me) out[pos[m]].sent = members_of(known[m]);
+      }
+      posted[m] = true;
+      if (step.recvFrom >= 0) {
+        auto& from = queue[{step.recvFrom, m}];
+        if (from.empty()) continue;
+        const std::vector<bool> got = std::move(from.front());
+        from.pop_front();
+        if (m == me) out[pos[m]].received = members_of(got);
+        for (int b = 0; b < members; ++b) known[m][b] = known[m][b] || got[b];
+      }
+      ++pos[m];
+      posted[m] = false;
+      progressed = true;
+    }
+  }
+  if (pos[me] != all[me].steps.size()) throw std::logic_error("carriedAlong: the schedule deadlocks");
+  return out;
 }
 
 // Ring neighbours, members at distance 2^k either way (Bruck, the tree from any root), and

@@ -69,6 +69,25 @@ class TcpLinks {
   // blocks[m] = the spans of member m; this member's block is already in place.
   void allgather(Algo algo, const std::vector<std::vector<Span>>& blocks);
 
+  // What an operation's header exchange carries besides the headers (engine/fused.cpp).
+  struct Carry {
+    char* work = nullptr;  // this member's partial result: what fold steps send and fold into
+    char* out = nullptr;   // the result: what copy steps send and receive
+    // Bytes member m's messages carry in a fold step (partial) or a copy step, from m's
+    // headers, which arrive before the data: every member computes the same from the same
+    // headers, so the streams stay aligned whatever the operations are.
+    std::function<size_t(int member, bool partial)> bytesOf;
+    std::function<void(char* work, const char* received)> fold;  // folds a partial result in
+    std::function<void()> finish;  // the fold steps are over: make `out` from `work`
+  };
+  // Recursive doubling among the members (schedule Doubling, with its fold in and out) in
+  // which every message is the header blocks its sender knows (headers[m]: member m's spans;
+  // this member's are filled, the others arrive), then what `carry` says its sender carries.
+  // Returns true when every carried part had this member's own size and was folded or
+  // placed; false when one did not (read and dropped: the headers differ then, and the
+  // caller fails the operation alike on every rank).
+  bool exchangeHeaders(const std::vector<std::vector<Span>>& headers, const Carry& carry);
+
   // The operation that failure messages name (its words are made only when one fails).
   void setOp(const OpHeader& header) { op_ = header; hasOp_ = true; }
   // Called with (peer rank, this rank's message) when a partner fails us; returns what is
@@ -107,6 +126,8 @@ class TcpLinks {
   OpHeader op_;
   bool hasOp_ = false;  // no operation yet: messages say "setup"
   std::vector<char> scratch_;
+  std::vector<Step> headerSteps_;     // exchangeHeaders' schedule for this member (made once)
+  std::vector<Carried> headerBlocks_;  // and the member blocks each of its steps carries
   std::vector<float> hostSum_;
   std::function<std::string(int, const std::string&)> explain_;
   std::function<void()> onProgress_;
