@@ -98,6 +98,16 @@ void bindSchedules(py::module_& m) {
       },
       py::arg("algo"), py::arg("members"), py::arg("me"), py::arg("root"), py::arg("bytes"),
       py::arg("segment") = 256 << 10, "member `me`'s steps of a broadcast (units: bytes)");
+  m.def(
+      "carried_along",
+      [](const std::string& algo, int members, int me) {
+        checkMember(members, me);
+        py::list out;
+        for (const Carried& c : carriedAlong(algoNamed(algo), members, me)) out.append(py::make_tuple(c.sent, c.received));
+        return out;
+      },
+      py::arg("algo"), py::arg("members"), py::arg("me"),
+      "per step of `me`'s allreduce schedule: (blocks sent, blocks received) when messages carry what their sender knows");
   m.def("partners_of", &partnersOf, py::arg("members"), py::arg("me"),
         "the members `me` keeps a connection to");
   m.def(

@@ -103,6 +103,18 @@ def test_reduce_scatter_owns_its_blocks(members: int) -> None:
 
 
 @pytest.mark.parametrize("members", MEMBERS)
+def test_headers_ride_on_doubling(members: int) -> None:
+    """The header exchange (carried_along over Doubling): every member ends with every
+    member's header block, and never sends a block it has not received yet."""
+    for me in range(members):
+        known = {me}
+        for sent, received in ENGINE.carried_along("doubling", members, me):
+            assert set(sent) <= known, f"{members} members: member {me} sends {sent}, knows {known}"
+            known |= set(received)
+        assert known == set(range(members)), f"{members} members: member {me} ends knowing {sorted(known)}"
+
+
+@pytest.mark.parametrize("members", MEMBERS)
 def test_depths(members: int) -> None:
     p2 = 1 << (members.bit_length() - 1)
     log2p2, ceil_log2 = p2.bit_length() - 1, math.ceil(math.log2(members)) if members > 1 else 0

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <sstream>
 
@@ -151,6 +152,30 @@ std::string withDeadline(std::function<std::string()> fn, double seconds, std::s
 // Posts this rank's message first (so a neighbour waiting on us learns it at once), then
 // gives `peer` a moment to post its own. A dead peer posts nothing: then it is the culprit.
 // Every store request runs under withDeadline: an unreachable store never holds this up.
+namespace {
+
+// The rank a failure message blames for its link, as TcpLinks words it ("... by rank 7
+// (leader of host 3, ...)"), or -1.
+int blamedRank(const std::string& message) {
+  static const std::string tail = " (leader of host ";
+  const size_t at = message.rfind(tail);
+  if (at == std::string::npos) return -1;
+  const size_t start = message.rfind("rank ", at);
+  if (start == std::string::npos) return -1;
+  try {
+    return std::stoi(message.substr(start + 5, at - start - 5));
+  } catch (const std::exception&) {
+    return -1;
+  }
+}
+
+}  // namespace
+
+// Posts this rank's message and reads why `peer` failed. A peer's first post is its bare
+// message (its own explanation follows once it has read its peer's); when that is all there
+// is after a short wait, the chain is followed through the board: the rank the bare message
+// blames, and the one that one blames, ..., so that a survivor several links away from a
+// lost host still names it.
 std::string Communicator::explainPeer(int peer, const std::string& message) {
   if (!board_.read) return "";
   const double patience = std::min(2.0, opt_.timeoutSec);
@@ -159,13 +184,29 @@ std::string Communicator::explainPeer(int peer, const std::string& message) {
   return withDeadline(
       [board, rank, peer, message, patience] {
         board.post(rank, message);
+        auto explained = [](const std::string& m) { return m.find(" -- ") != std::string::npos; };
         auto start = Clock::now();
+        std::string theirs;
+        double bareSince = -1;
         do {
-          std::string theirs = board.read(peer);
-          if (!theirs.empty()) return " -- because rank " + std::to_string(peer) + " failed first: " + theirs;
+          theirs = board.read(peer);
+          if (explained(theirs)) break;
+          if (!theirs.empty() && bareSince < 0) bareSince = secondsSince(start);
+          if (bareSince >= 0 && secondsSince(start) - bareSince > 0.3) break;
           std::this_thread::sleep_for(std::chrono::milliseconds(20));
         } while (secondsSince(start) < patience);
-        return " -- rank " + std::to_string(peer) + " reported no error: it died or is unreachable";
+        if (theirs.empty()) return " -- rank " + std::to_string(peer) + " reported no error: it died or is unreachable";
+        std::string out = " -- because rank " + std::to_string(peer) + " failed first: " + theirs;
+        std::vector<int> seen{rank, peer};
+        for (int hop = 0; hop < 16 && !explained(theirs); ++hop) {
+          const int next = blamedRank(theirs);
+          if (next < 0 || std::find(seen.begin(), seen.end(), next) != seen.end()) break;
+          seen.push_back(next);
+          theirs = board.read(next);
+          if (theirs.empty()) return out + " -- rank " + std::to_string(next) + " reported no error: it died or is unreachable";
+          out += " -- because rank " + std::to_string(next) + " failed first: " + theirs;
+        }
+        return out;
       },
       patience + 1.0,
       " -- " + board.where + " did not answer within " + std::to_string(static_cast<int>(patience + 1.0)) +
