@@ -85,9 +85,12 @@ class Router:
         return f"t{i}"
 
     def log_text(self) -> str:
-        """What the router wrote on stderr."""
-        with open(self._log, errors="replace") as f:
-            return f.read().strip()
+        """What the router wrote on stderr ("" once the fixture's state directory is gone)."""
+        try:
+            with open(self._log, errors="replace") as f:
+                return f.read().strip()
+        except FileNotFoundError:
+            return ""
 
     def _readline(self, timeout: float) -> str:
         """One line of the router's stdout, without its newline."""
