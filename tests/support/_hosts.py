@@ -7,6 +7,17 @@ Layout (every name starts with ``trt<test pid>-<n>``, so leftovers of a dead run
 - a "switch" network namespace holding a bridge; host i's cable is a veth pair whose one end
   (``eth0``) lives in host i's network namespace and whose other end is a bridge port in the
   switch. The machine's own network namespace is never touched.
+- with ``latency_us=D``, the switch holds no bridge but a userspace router (latency_router.c,
+  compiled once per version of its source into /var/tmp; _latency.py runs it, ``Host.router``),
+  which holds every packet from one host to another for D microseconds: the kernel here has no
+  netem, and so torchring, gloo and Open MPI all pay the same delay. The router creates one TUN
+  device per host, which is moved into the host as ``eth0`` (point-to-point, no ARP, MTU 65000 so
+  that packets are few and large; its /24 routes the other hosts through it); it reads the IPv4
+  packets each host sends and writes them, D later, to the destination's device. A round trip
+  takes 2*D plus the routing's own cost (on a 2-vCPU virtual machine, a median of 75-150 us at
+  D = 0 against 50 us over veth). ``Host.link(False)`` has the router turn the host's carrier off
+  and drop its packets both ways (``eth0`` stays up, as when a cable is pulled at the switch);
+  ``Host.link(True)`` undoes it.
 - host i: address ``198.18.<k>.<i+1>/24`` (198.18.0.0/15, the benchmarking range; ``k`` differs
   per fixture), loopback up, no default route, so nothing but loopback and the other test hosts
   is reachable. Hostname ``trh<i>``; a generated ``/etc/hosts`` names every host (and an empty
@@ -20,9 +31,10 @@ Layout (every name starts with ``trt<test pid>-<n>``, so leftovers of a dead run
   the interpreter's environment and ``TORCHRING_CACHE_DIR`` are bind-mounted back the same way
   when they live under ``/tmp`` (a CI checkout may).
 
-Teardown (kill anchors, delete namespaces) runs however the block is left; at entry, namespaces
-left by test processes that no longer exist are deleted. Where namespaces cannot be made (not
-root, no ``ip``/``unshare``/``nsenter``), ``hosts()`` skips the test and says why.
+Teardown (kill anchors and the router, delete namespaces) runs however the block is left; at
+entry, namespaces left by test processes that no longer exist are deleted. Where namespaces cannot be made (not
+root, no ``ip``/``unshare``/``nsenter``; for ``latency_us``, no /dev/net/tun or no C compiler),
+``hosts()`` skips the test and says why.
 """
 
 from __future__ import annotations
@@ -40,6 +52,8 @@ from typing import Iterator
 
 import pytest
 
+from _latency import TUN_MTU, Router, can_route, router_binary
+
 __all__ = ["Host", "hosts", "can_make_hosts", "parse_rate", "host_addr", "hosts_file"]
 
 _PREFIX = "trt"
@@ -51,9 +65,10 @@ class Host:
     """One simulated host: run commands in it, pull its cable, kill it."""
 
     def __init__(self, index: int, name: str, addr: str, netns: str, switch: str, port: str,
-                 anchor: subprocess.Popen, anchor_pid: int, shared: str) -> None:
+                 anchor: subprocess.Popen, anchor_pid: int, shared: str,
+                 router: Router | None = None) -> None:
         self.index, self.name, self.addr = index, name, addr
-        self.netns, self._switch, self._port = netns, switch, port
+        self.netns, self._switch, self._port, self.router = netns, switch, port, router
         self._anchor, self.anchor_pid, self.shared = anchor, anchor_pid, shared
         self._pidns = os.readlink(f"/proc/{anchor_pid}/ns/pid")
 
@@ -80,8 +95,12 @@ class Host:
                               timeout=timeout, **kw)
 
     def link(self, up: bool) -> None:
-        """Plug (True) or pull (False) this host's cable: its port on the switch goes up/down."""
-        _ip("-n", self._switch, "link", "set", self._port, "up" if up else "down")
+        """Plug (True) or pull (False) this host's cable: its port on the switch goes up/down (with
+        latency_us, the router turns its carrier on/off and passes/drops its packets)."""
+        if self.router is not None:
+            self.router.link(self.index, up)
+        else:
+            _ip("-n", self._switch, "link", "set", self._port, "up" if up else "down")
 
     def pids(self) -> list[int]:
         """Machine-side pids of this host's processes, the anchor (its PID 1) excluded."""
@@ -202,10 +221,11 @@ def _unmount_under(path: str) -> None:
             subprocess.run(["umount", "-l", p], capture_output=True)
 
 
-def _shape(netns: str, dev: str, rate: str) -> str | None:
+def _shape(netns: str, dev: str, rate: str, min_burst: int = 32 * 1024) -> str | None:
     """Limit ``dev`` to ``rate`` with tbf (or netem rate); None if done, else why not."""
     bits = parse_rate(rate)
-    burst = max(32 * 1024, bits // 8 // 250)  # at least one timer tick (4 ms at HZ=250) of bytes
+    # at least one timer tick (4 ms at HZ=250) of bytes; tbf drops packets larger than its burst
+    burst = max(min_burst, bits // 8 // 250)
     tries = [["tbf", "rate", rate, "burst", str(burst), "latency", "50ms"], ["netem", "rate", rate]]
     errors = []
     for qdisc in tries:
@@ -250,15 +270,21 @@ def _kept_visible(shared: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def hosts(n: int, rate: str | None = None, shared: str | None = None) -> Iterator[list[Host]]:
-    """Make ``n`` hosts joined by a switch (links shaped to ``rate`` if given); tear down on exit."""
-    why = can_make_hosts()
+def hosts(n: int, rate: str | None = None, shared: str | None = None,
+          latency_us: int | None = None) -> Iterator[list[Host]]:
+    """Make ``n`` hosts joined by a switch (links shaped to ``rate``, each hop delayed by
+    ``latency_us`` microseconds, if given); tear down on exit."""
+    why = can_make_hosts() or (can_route() if latency_us is not None else None)
     if why:
         pytest.skip(why)
     if not 1 <= n <= 253:
         raise ValueError(f"hosts({n}): expected 1 to 253 hosts")
     if rate is not None:
         parse_rate(rate)
+    if latency_us is not None:
+        if not 0 <= latency_us <= 10**7:
+            raise ValueError(f"hosts(latency_us={latency_us}): expected 0 to 10**7 microseconds")
+        router_binary()  # compiled here: a compiler's error fails the test, it does not skip it
     _remove_leftovers()
     seq = next(_counter)
     tag = f"{_PREFIX}{os.getpid()}-{seq}"
@@ -271,27 +297,36 @@ def hosts(n: int, rate: str | None = None, shared: str | None = None) -> Iterato
     made: list[str] = []
     anchors: list[subprocess.Popen] = []
     out: list[Host] = []
+    router: Router | None = None
     try:
         try:
             _ip("netns", "add", switch)
             made.append(switch)
-            _ip("-n", switch, "link", "add", "br0", "type", "bridge")
-            _ip("-n", switch, "link", "set", "br0", "up")
             names = [f"trh{i}" for i in range(n)]
             addrs = [host_addr(k, i) for i in range(n)]
+            if latency_us is None:
+                _ip("-n", switch, "link", "add", "br0", "type", "bridge")
+                _ip("-n", switch, "link", "set", "br0", "up")
+            else:
+                router = Router(switch, latency_us, addrs, os.path.join(state, "router.log"))
             notes = []
             for i in range(n):
                 ns, port = f"{tag}-h{i}", f"p{i}"
                 _ip("netns", "add", ns)
                 made.append(ns)
-                _ip("-n", switch, "link", "add", port, "type", "veth", "peer", "name", "eth0",
-                    "netns", ns)
-                _ip("-n", switch, "link", "set", port, "master", "br0", "up")
+                if router is None:
+                    _ip("-n", switch, "link", "add", port, "type", "veth", "peer", "name", "eth0",
+                        "netns", ns)
+                    _ip("-n", switch, "link", "set", port, "master", "br0", "up")
+                else:  # the router keeps the device's fd; the /24 routes the other hosts through it
+                    _ip("-n", switch, "link", "set", router.device(i), "netns", ns, "name", "eth0")
+                    _ip("-n", ns, "link", "set", "eth0", "mtu", str(TUN_MTU))
                 _ip("-n", ns, "link", "set", "lo", "up")
                 _ip("-n", ns, "addr", "add", f"{addrs[i]}/24", "dev", "eth0")
                 _ip("-n", ns, "link", "set", "eth0", "up")
                 if rate is not None:
-                    note = _shape(ns, "eth0", rate)
+                    burst = 32 * 1024 if router is None else 2 * TUN_MTU
+                    note = _shape(ns, "eth0", rate, min_burst=burst)
                     if note:
                         notes.append(f"trh{i}: {note}")
             if notes:
@@ -316,7 +351,7 @@ def hosts(n: int, rate: str | None = None, shared: str | None = None) -> Iterato
                     raise RuntimeError(f"host trh{i} did not start: {line}{anchor.stderr.read()}")
                 pid = _child_of(anchor.pid)
                 out.append(Host(i, names[i], addrs[i], f"{tag}-h{i}", switch, f"p{i}", anchor, pid,
-                                shared))
+                                shared, router))
         except RuntimeError as e:  # a kernel or tool that refuses (no bridge, no mounts, ...)
             pytest.skip(f"cannot build test hosts here: {e}")
         yield out
@@ -332,6 +367,8 @@ def hosts(n: int, rate: str | None = None, shared: str | None = None) -> Iterato
                 a.wait(timeout=10)
             a.stdout.close()
             a.stderr.close()
+        if router is not None:
+            router.stop()
         for ns in reversed(made):
             _delete_netns(ns)
         _unmount_under(state)
