@@ -201,8 +201,9 @@ LinkCost TcpLinks::measure() {
   return cost;
 }
 
-// One loop moves both streams: poll for room to send and bytes to read, send what may go,
-// read what came, repeat until both streams are done or no byte moves for the timeout.
+// One loop moves both streams: send what may go, read what came, and when neither moved a
+// byte, poll for room to send and bytes to read; repeat until both streams are done or no
+// byte moves for the timeout.
 // How much one send() hands the kernel (`piece`): a long stream (streamBytes at least
 // opt_.piecedStreamBytes: a ring of two from 8 MiB up) goes in pieces of
 // opt_.sendPieceBytes; a shorter one in whatever the socket takes. Measured between two
@@ -237,6 +238,7 @@ void TcpLinks::exchange(int sendTo, const std::vector<Span>& send, int recvFrom,
     }
   };
   auto lastProgress = Clock::now();
+  bool idle = false;  // try the sockets first: a send usually goes and data may be waiting
   for (;;) {
     skipEmpty(send, sendIdx, sendOff);
     skipEmpty(recv, recvIdx, recvOff);
@@ -251,16 +253,18 @@ void TcpLinks::exchange(int sendTo, const std::vector<Span>& send, int recvFrom,
     if (sending && allowed == 0 && !receiving) {
       fail("internal error: the send stream waits for data, but nothing is left to receive from", recvFrom);
     }
-    pollfd fds[2];
-    int nfds = 0;
-    if (allowed > 0) fds[nfds++] = {sendFd, POLLOUT, 0};
-    if (receiving && nfds == 1 && recvFd == sendFd) {
-      fds[0].events |= POLLIN;  // one partner both ways: one socket
-    } else if (receiving) {
-      fds[nfds++] = {recvFd, POLLIN, 0};
+    if (idle) {  // the last round moved nothing: wait until a socket can (or 100 ms)
+      pollfd fds[2];
+      int nfds = 0;
+      if (allowed > 0) fds[nfds++] = {sendFd, POLLOUT, 0};
+      if (receiving && nfds == 1 && recvFd == sendFd) {
+        fds[0].events |= POLLIN;  // one partner both ways: one socket
+      } else if (receiving) {
+        fds[nfds++] = {recvFd, POLLIN, 0};
+      }
+      int rc = poll(fds, nfds, 100);
+      if (rc < 0 && errno != EINTR) fail(std::string("poll failed: ") + std::strerror(errno), receiving ? recvFrom : sendTo);
     }
-    int rc = poll(fds, nfds, 100);
-    if (rc < 0 && errno != EINTR) fail(std::string("poll failed: ") + std::strerror(errno), receiving ? recvFrom : sendTo);
     bool progressed = false;
     if (allowed > 0) {
       const Span& s = send[sendIdx];
@@ -289,6 +293,7 @@ void TcpLinks::exchange(int sendTo, const std::vector<Span>& send, int recvFrom,
         fail(std::string("lost the connection (") + std::strerror(errno) + ") from", recvFrom);
       }
     }
+    idle = !progressed;
     if (progressed) {
       lastProgress = Clock::now();
       if (onProgress_) onProgress_();
