@@ -1,0 +1,171 @@
+"""The scale model's simulator (benchmarks/_scale_sim.py) on cases small enough to time by hand:
+one message costs s + D + n/B; a ring of 4 hosts with nothing shared equals the cost model's
+closed form; a small Doubling allreduce rides on the header exchange; two flows into one
+downlink take twice as long, and a flow speeds up when the other ends; a thin spine is shared;
+a late leader delays the ring by its lateness. The SimGrid replay, where Debian's
+python3-simgrid is installed, agrees with the flow simulator; the header size and the riding
+limit are the engine's; --validate reads a measurement file and counts what it matches."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from torchring._core import build as _build
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import _scale_sim as sim  # noqa: E402
+
+ENGINE = _build.load()
+B, D, S = 1e9, 5e-6, 15e-6  # 1 GB/s, 5 µs on the wire, 15 µs of software per step
+NET = sim.Net(bandwidth=B, latency=D, overhead=S, gamma=0.0)
+N = 1_000_000
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-9 * max(abs(a), abs(b))
+
+
+def _sends(pairs: list[tuple[int, int, int]], hosts: int) -> list[list[sim.Step]]:
+    """One message per (src, dst, bytes): the source sends, the destination receives, one step each."""
+    plans: list[list[sim.Step]] = [[] for _ in range(hosts)]
+    for src, dst, n in pairs:
+        plans[src].append((dst, -1, n, 0, 0, 0.0))
+        plans[dst].append((-1, src, 0, n, 0, 0.0))
+    return plans
+
+
+def test_one_message_costs_alpha_plus_n_beta() -> None:
+    finish = sim.simulate(_sends([(0, 1, N)], 2), NET)
+    assert _close(finish[1], S + D + N / B) and _close(finish[0], S + D + N / B)
+    assert _close(NET.alpha, S + D) and _close(NET.beta, 1 / B)
+
+
+def test_ring_of_four_equals_the_closed_form() -> None:
+    net = sim.Net(bandwidth=B, latency=D, overhead=S, gamma=0.2e-9)
+    count = 1000  # 250 elements a chunk: every leader moves the same bytes
+    plans = sim.plan(ENGINE, "ring", 4, 1, count, 4, sim.Shm())
+    closed = sim.closed_form(ENGINE, "ring", 4, 1, count, 4, net, sim.Shm())
+    by_hand = 6 * (S + D + 1000 / B) + 3 * 1000 * 0.2e-9  # 6 steps of 1 KB, 3 fold 1 KB
+    assert _close(closed["allreduce"], by_hand)
+    assert _close(closed["header"], 2 * (S + D) + 3 * sim.HEADER_BYTES / B)  # doubling: 1 then 2 blocks
+    assert all(_close(f, closed["header"] + closed["allreduce"]) for f in sim.simulate(plans, net))
+
+
+def test_two_flows_into_one_downlink_take_twice_as_long() -> None:
+    apart = sim.simulate(_sends([(0, 2, N), (1, 3, N)], 4), NET)
+    shared = sim.simulate(_sends([(0, 2, N), (1, 2, N)], 3), NET)
+    assert _close(apart[0], S + D + N / B) and _close(apart[1], S + D + N / B)
+    assert _close(shared[0], S + D + 2 * N / B) and _close(shared[1], S + D + 2 * N / B)
+    # Host 2 received both by then; its second step (s) takes the waiting message at once.
+    assert _close(shared[2], 2 * S + D + 2 * N / B)
+
+
+def test_a_flow_speeds_up_when_the_other_ends() -> None:
+    finish = sim.simulate(_sends([(0, 2, N), (1, 2, N // 2)], 3), NET)
+    assert _close(finish[1], S + D + N / B)  # half the bytes at half the rate
+    assert _close(finish[0], S + D + 1.5 * N / B)  # then the rest alone
+
+
+def test_an_oversubscribed_spine_is_shared() -> None:
+    # Leaves of 2 hosts, oversubscription 2: each leaf's spine link carries B; 0->2 and 1->3 share it.
+    thin = sim.Net(bandwidth=B, latency=D, overhead=S, leaf=2, oversub=2.0)
+    finish = sim.simulate(_sends([(0, 2, N), (1, 3, N)], 4), thin)
+    assert _close(finish[0], S + D + 2 * N / B) and _close(finish[1], S + D + 2 * N / B)
+    inside = sim.simulate(_sends([(0, 1, N), (2, 3, N)], 4), thin)  # within a leaf: no spine
+    assert _close(inside[0], S + D + N / B)
+
+
+def test_a_late_leader_delays_the_ring_by_its_lateness() -> None:
+    plans = sim.plan(ENGINE, "ring", 4, 1, 1000, 4, sim.Shm())
+    on_time = max(sim.simulate(plans, NET))
+    late = max(sim.simulate(plans, NET, [0.0, 0.0, 300e-6, 0.0]))
+    assert _close(late, on_time + 300e-6)
+
+
+def test_a_small_doubling_rides_on_the_header_exchange() -> None:
+    net = sim.Net(bandwidth=B, latency=D, overhead=S, gamma=0.2e-9)
+    plans = sim.plan(ENGINE, "doubling", 4, 1, 100, 4, sim.Shm())  # 400 B: log2(4) steps in all
+    assert [len(p) for p in plans] == [2] * 4
+    by_hand = 2 * (S + D) + (1 + 2) * sim.HEADER_BYTES / B + 2 * 400 / B + 2 * 400 * 0.2e-9
+    assert all(_close(f, by_hand) for f in sim.simulate(plans, net))
+    closed = sim.closed_form(ENGINE, "doubling", 4, 1, 100, 4, net, sim.Shm())
+    assert _close(closed["header"], 3 * sim.HEADER_BYTES / B) and _close(sum(closed.values()), by_hand)
+    big = sim.plan(ENGINE, "doubling", 4, 1, sim.CARRIED_LIMIT // 4 + 1, 4, sim.Shm())
+    assert [len(p) for p in big] == [4] * 4  # past the limit: the header exchange, then the allreduce
+
+
+def test_shared_memory_stages_bracket_the_leaders() -> None:
+    shm = sim.Shm(a=5e-6, bw=10e9)
+    alone = max(sim.simulate(sim.plan(ENGINE, "rabenseifner", 4, 1, 1000, 4, shm), NET))
+    eight = max(sim.simulate(sim.plan(ENGINE, "rabenseifner", 4, 8, 1000, 4, shm), NET))
+    header_growth = 3 * 7 * sim.HEADER_BYTES / B  # the exchange moves 3 host blocks, each 7 headers larger
+    assert _close(eight - alone, 2 * (5e-6 + 4000 / 10e9) + header_growth)
+
+
+def test_lower_bound_by_hand() -> None:
+    net = sim.Net(bandwidth=B, latency=D, overhead=S, gamma=1e-10)
+    assert _close(sim.lower_bound(4, N, net), 2 * (S + D) + 1.5 * N / B + 0.75 * N * 1e-10)
+    assert _close(sim.lower_bound(5, N, net), 3 * (S + D) + 1.6 * N / B + 0.8 * N * 1e-10)
+
+
+@pytest.mark.parametrize("eager", [True, False])
+def test_simgrid_agrees(eager: bool) -> None:
+    if sim.simgrid_python() is None:
+        pytest.skip("SimGrid's Python module is not installed (Debian: apt-get install python3-simgrid)")
+    net = sim.Net(bandwidth=B, latency=D, overhead=S, gamma=0.1e-9, eager=eager)
+    # Five hosts fold in and out: with eager sends, core messages share the folding hosts' downlinks.
+    plans = sim.plan(ENGINE, "doubling", 5, 2, 100_000, 4, sim.Shm())
+    flow, grid = sim.simulate(plans, net, [0, 40e-6, 0, 0, 0]), sim.simulate_simgrid(plans, net, [0, 40e-6, 0, 0, 0])
+    assert all(_close(f, g) for f, g in zip(flow, grid)), (flow, grid)
+    shared = _sends([(0, 2, N), (1, 2, N // 2)], 3)
+    assert all(_close(f, g) for f, g in zip(sim.simulate(shared, net), sim.simulate_simgrid(shared, net)))
+
+
+def test_constants_are_the_engines(tmp_path) -> None:
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    src = tmp_path / "sizes.cpp"
+    src.write_text('#include "core/common.h"\n#include "schedule/cost.h"\n#include <cstdio>\n'
+                   'int main() { std::printf("%zu %zu", sizeof(torchring::OpHeader), torchring::kCarriedLimitBytes); }\n')
+    exe = tmp_path / "sizes"
+    subprocess.run([cxx, "-std=c++17", "-I", os.path.join(ROOT, "torchring", "csrc"), str(src), "-o", str(exe)],
+                   check=True)
+    out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()
+    assert [int(x) for x in out] == [sim.HEADER_BYTES, sim.CARRIED_LIMIT]
+
+
+def test_validate_counts_matches(tmp_path, capsys) -> None:
+    import scale_model
+
+    cost = {"alpha": 40e-6, "beta": 8e-10, "gamma": 1e-10}
+    rows = [{"library": "torchring", "algo": algo, "hosts": 4, "per_host": 2, "bytes": n, "seconds": 1.0,
+             "latency_us": 20.0, "rate_bits": 1e10, **cost}
+            for algo in ("ring", "auto") for n in (4096, 1 << 20)]
+    rows[3]["chosen"] = "doubling"  # what scaleout.py records the engine ran; else the model picks
+    rows.append({**rows[0], "library": "gloo"})
+    path = tmp_path / "measured.json"
+    path.write_text(json.dumps({"rows": rows}))
+    out = tmp_path / "out.json"
+    scale_model.main(["--validate", str(path), "--json", str(out), "--plot", "none"])
+    predicted = json.loads(out.read_text())["rows"]
+    assert len(predicted) == 4 and {r["ran"] for r in predicted} <= {"ring", "doubling", "rabenseifner"}
+    ran = {(r["algo"], r["bytes"]): r["ran"] for r in predicted}
+    assert ran[("auto", 1 << 20)] == "doubling" and ran[("ring", 4096)] == "ring"
+    assert all(_close(r["overhead_us"], 20.0) for r in predicted)  # s = alpha - D
+    # Measurements 10 % and 40 % off the prediction: two of four within 15 %.
+    for r, k in zip(rows, (1.1, 1.4, 0.9, 1.4)):
+        r["seconds"] = next(p["predicted_s"] for p in predicted
+                            if (p["algo"], p["bytes"]) == (r["algo"], r["bytes"])) * k
+    path.write_text(json.dumps({"rows": rows}))
+    capsys.readouterr()
+    scale_model.main(["--validate", str(path), "--plot", "none"])
+    assert "2 of 4 predictions within 15%" in capsys.readouterr().out
