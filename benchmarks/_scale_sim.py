@@ -5,7 +5,7 @@ A plan is one list of steps per host leader, read from the engine's bindings, ne
 re-derived here: the header exchange every operation among hosts starts with (the Doubling
 schedule, ``allreduce_schedule("doubling", ...)``, whose messages carry the header blocks
 ``carried_along`` names: a host's block is its ranks' OpHeaders), then the allreduce's own
-schedule (``allreduce_schedule``), or, for a Doubling allreduce of at most 1 MiB, its data
+schedule (``allreduce_schedule``), or, for a Doubling allreduce of at most 256 KiB, its data
 riding on the header exchange's messages instead (engine/fused.cpp). A step sends some bytes to
 one leader and receives some from one (either may be absent) at the same time, as
 torchring/csrc/schedule/schedule.h says; a delay step is a local stage (the host's
@@ -60,7 +60,7 @@ HEADER_BYTES = 144
 
 # The largest allreduce whose partial results ride on the header exchange when its algorithm
 # is Doubling (kCarriedLimitBytes, torchring/csrc/schedule/cost.h; the test compiles it too).
-CARRIED_LIMIT = 1 << 20
+CARRIED_LIMIT = 256 << 10
 
 # One leader-step: (send_to, recv_from, send_bytes, recv_bytes, folded_bytes, delay_seconds).
 # send_to / recv_from are leader indices or -1; a delay step has both -1 and only a delay.

@@ -208,7 +208,12 @@ def run_mpi(hs: list, a: argparse.Namespace) -> list[dict]:
 
 
 def print_table(rows: list[dict], libs: list[str]) -> None:
+    """Per host count and size: times, the choice, best peer / torchring, torchring / goal and,
+    on shaped links, torchring's bus bandwidth as a fraction of the link (2(H-1)/H of the bytes
+    cross each host's link each way)."""
+    shaped = any(r["rate"] for r in rows)
     names = ["hosts", "size", "goal(us)", "chosen"] + [f"{lib}(us)" for lib in libs] + ["best peer/tr", "tr/goal"]
+    names += ["tr x link"] if shaped else []
     print("| " + " | ".join(names) + " |\n|" + "---|" * len(names))
     for row in rows:
         peers = [row[lib] for lib in ("gloo", "mpi") if lib in row]
@@ -216,6 +221,11 @@ def print_table(rows: list[dict], libs: list[str]) -> None:
         cells += [f"{row[lib] * 1e6:.0f}" if lib in row else "-" for lib in libs]
         cells += [f"{min(peers) / row['tr auto']:.2f}" if peers else "-",
                   f"{row['tr auto'] / row['goal']:.2f}" if row["goal"] else "-"]
+        if shaped:
+            from _hosts import parse_rate
+
+            busbw = row["bytes"] / row["tr auto"] * 2 * (row["hosts"] - 1) / row["hosts"]
+            cells.append(f"{busbw / (parse_rate(row['rate']) / 8):.2f}")
         print("| " + " | ".join(cells) + " |", flush=True)
 
 

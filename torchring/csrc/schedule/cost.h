@@ -17,7 +17,7 @@ namespace torchring {
 
 // The largest allreduce (its partial results' bytes) that rides on the header exchange
 // (engine/fused.cpp) when its algorithm is Doubling: it then costs no header exchange of its own.
-inline constexpr size_t kCarriedLimitBytes = 1 << 20;
+inline constexpr size_t kCarriedLimitBytes = 256 << 10;
 
 struct LinkCost {
   double alpha = 50e-6;  // seconds one step costs whatever its size (latency, wake-ups, calls)

@@ -164,12 +164,12 @@ void TcpLinks::fail(const std::string& why, int member, const std::string& advic
   throw CommFailedError(text);
 }
 
-// alpha: 20 rounds in which every member sends 8 bytes to its right neighbour and receives
-// 8 from its left one (after one round that lines the members up), the time of a round being
-// what one step of any schedule costs whatever its size: the wire's latency plus the wake-ups
-// and calls on both ends. beta: the same with 1 MiB, less alpha, per byte; the fastest of
-// three. Rounds of a ring rather than of pairs: every member has both neighbours, whatever
-// the member count.
+// alpha: what one step of a log-depth schedule costs whatever its size (the wire's latency
+// plus the wake-ups and calls on both ends, with every member busy at once): 10 runs of the
+// recursive doubling schedule (schedule/schedule.h, with its fold) with 8-byte messages, after
+// one that lines the members up, divided by the longest member's step count. beta: rounds in
+// which every member sends 1 MiB to its right neighbour and receives 1 MiB from its left one,
+// the fastest of three, less alpha, per byte.
 LinkCost TcpLinks::measure() {
   LinkCost cost;
   if (members() < 2) return cost;
@@ -184,11 +184,25 @@ LinkCost TcpLinks::measure() {
     }
     return best;
   };
-  rounds(8, 1);
+  const auto steps = allreduceSchedule(Algo::Doubling, members(), opt_.member, 1).steps;
+  size_t longest = 0;
+  for (int m = 0; m < members(); ++m) {
+    longest = std::max(longest, allreduceSchedule(Algo::Doubling, members(), m, 1).steps.size());
+  }
+  char out[8] = {}, in[8];
+  auto doubling = [&] {
+    for (const Step& step : steps) {
+      std::vector<Span> send, recv;
+      if (step.sendTo >= 0) send.push_back({out, sizeof(out)});
+      if (step.recvFrom >= 0) recv.push_back({in, sizeof(in)});
+      exchange(step.sendTo, send, step.recvFrom, recv);
+    }
+  };
+  doubling();
   const auto t0 = Clock::now();
-  constexpr int kRounds = 20;
-  for (int i = 0; i < kRounds; ++i) rounds(8, 1);
-  cost.alpha = secondsSince(t0) / kRounds;
+  constexpr int kRuns = 10;
+  for (int i = 0; i < kRuns; ++i) doubling();
+  cost.alpha = secondsSince(t0) / (kRuns * static_cast<double>(longest));
   constexpr size_t kProbe = 1 << 20;
   cost.beta = std::max(1e-12, (rounds(kProbe, 3) - cost.alpha) / kProbe);
   // gamma: one float32 sum of the probe's size on this host.
