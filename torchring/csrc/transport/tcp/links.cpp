@@ -165,9 +165,9 @@ void TcpLinks::fail(const std::string& why, int member, const std::string& advic
 }
 
 // alpha: what one step of a log-depth schedule costs whatever its size (the wire's latency
-// plus the wake-ups and calls on both ends, with every member busy at once): 10 runs of the
-// recursive doubling schedule (schedule/schedule.h, with its fold) with 8-byte messages, after
-// one that lines the members up, divided by the longest member's step count. beta: rounds in
+// plus the wake-ups and calls on both ends, with every member busy at once): the median of 11
+// runs of the recursive doubling schedule (schedule/schedule.h, with its fold) with 8-byte
+// messages, after one that lines the members up, divided by the longest member's step count. beta: rounds in
 // which every member sends 1 MiB to its right neighbour and receives 1 MiB from its left one,
 // the fastest of three, less alpha, per byte.
 LinkCost TcpLinks::measure() {
@@ -199,10 +199,14 @@ LinkCost TcpLinks::measure() {
     }
   };
   doubling();
-  const auto t0 = Clock::now();
-  constexpr int kRuns = 10;
-  for (int i = 0; i < kRuns; ++i) doubling();
-  cost.alpha = secondsSince(t0) / (kRuns * static_cast<double>(longest));
+  std::vector<double> runs;
+  for (int i = 0; i < 11; ++i) {
+    const auto t0 = Clock::now();
+    doubling();
+    runs.push_back(secondsSince(t0));
+  }
+  std::nth_element(runs.begin(), runs.begin() + 5, runs.end());
+  cost.alpha = runs[5] / static_cast<double>(longest);
   constexpr size_t kProbe = 1 << 20;
   cost.beta = std::max(1e-12, (rounds(kProbe, 3) - cost.alpha) / kProbe);
   // gamma: one float32 sum of the probe's size on this host.
