@@ -115,105 +115,6 @@ void Communicator::setFailureBoard(FailureBoard board) {
   }
 }
 
-namespace {
-
-// Runs `fn` on a detached thread and returns its result, or `fallback` when it has not
-// finished within `seconds`. For the rendezvous store on failure paths: a store whose host
-// is unreachable can block a request for good, and a failing rank must still raise within
-// the timeout. `fn` must own everything it uses (the thread may outlive the caller).
-std::string withDeadline(std::function<std::string()> fn, double seconds, std::string fallback) {
-  struct Shared {
-    std::mutex mutex;
-    std::condition_variable cv;
-    bool done = false;
-    std::string result;
-  };
-  auto shared = std::make_shared<Shared>();
-  std::thread([shared, fn = std::move(fn)] {
-    std::string result;
-    try {
-      result = fn();
-    } catch (const std::exception&) {  // the store is gone too: no explanation
-    }
-    std::lock_guard<std::mutex> lock(shared->mutex);
-    shared->result = std::move(result);
-    shared->done = true;
-    shared->cv.notify_all();
-  }).detach();
-  std::unique_lock<std::mutex> lock(shared->mutex);
-  if (!shared->cv.wait_for(lock, std::chrono::duration<double>(seconds), [&] { return shared->done; })) {
-    return fallback;
-  }
-  return shared->result;
-}
-
-}  // namespace
-
-// Posts this rank's message first (so a neighbour waiting on us learns it at once), then
-// gives `peer` a moment to post its own. A dead peer posts nothing: then it is the culprit.
-// Every store request runs under withDeadline: an unreachable store never holds this up.
-namespace {
-
-// The rank a failure message blames for its link, as TcpLinks words it ("... by rank 7
-// (leader of host 3, ...)"), or -1.
-int blamedRank(const std::string& message) {
-  static const std::string tail = " (leader of host ";
-  const size_t at = message.rfind(tail);
-  if (at == std::string::npos) return -1;
-  const size_t start = message.rfind("rank ", at);
-  if (start == std::string::npos) return -1;
-  try {
-    return std::stoi(message.substr(start + 5, at - start - 5));
-  } catch (const std::exception&) {
-    return -1;
-  }
-}
-
-}  // namespace
-
-// Posts this rank's message and reads why `peer` failed. A peer's first post is its bare
-// message (its own explanation follows once it has read its peer's); when that is all there
-// is after a short wait, the chain is followed through the board: the rank the bare message
-// blames, and the one that one blames, ..., so that a survivor several links away from a
-// lost host still names it.
-std::string Communicator::explainPeer(int peer, const std::string& message) {
-  if (!board_.read) return "";
-  const double patience = std::min(2.0, opt_.timeoutSec);
-  auto board = board_;  // copies: the thread below may outlive this communicator
-  const int rank = opt_.rank;
-  return withDeadline(
-      [board, rank, peer, message, patience] {
-        board.post(rank, message);
-        auto explained = [](const std::string& m) { return m.find(" -- ") != std::string::npos; };
-        auto start = Clock::now();
-        std::string theirs;
-        double bareSince = -1;
-        do {
-          theirs = board.read(peer);
-          if (explained(theirs)) break;
-          if (!theirs.empty() && bareSince < 0) bareSince = secondsSince(start);
-          if (bareSince >= 0 && secondsSince(start) - bareSince > 0.3) break;
-          std::this_thread::sleep_for(std::chrono::milliseconds(20));
-        } while (secondsSince(start) < patience);
-        if (theirs.empty()) return " -- rank " + std::to_string(peer) + " reported no error: it died or is unreachable";
-        std::string out = " -- because rank " + std::to_string(peer) + " failed first: " + theirs;
-        std::vector<int> seen{rank, peer};
-        for (int hop = 0; hop < 16 && !explained(theirs); ++hop) {
-          const int next = blamedRank(theirs);
-          if (next < 0 || std::find(seen.begin(), seen.end(), next) != seen.end()) break;
-          seen.push_back(next);
-          theirs = board.read(next);
-          if (theirs.empty()) return out + " -- rank " + std::to_string(next) + " reported no error: it died or is unreachable";
-          out += " -- because rank " + std::to_string(next) + " failed first: " + theirs;
-        }
-        return out;
-      },
-      patience + 1.0,
-      " -- " + board.where + " did not answer within " + std::to_string(static_cast<int>(patience + 1.0)) +
-          " s either: that host is likely unreachable or down, so rank " + std::to_string(peer) +
-          "'s own error is unknown");
-}
-
 void Communicator::shutdown() {
   if (forkGeneration() != forkGeneration_) {
     // A forked child's copy: it has no worker thread and shares the parent's sockets and
@@ -314,41 +215,6 @@ std::shared_ptr<CpuWork> Communicator::submit(OpKind kind, at::Tensor tensor, Re
   return enqueue(std::move(item), runInline);
 }
 
-// The algorithm among hosts of an operation that reduces there (Algo::Auto when there is
-// none): TORCHRING_ALGO's, or the cost model's for this size; for reduce_scatter, Ring means
-// the ring reduce-scatter (hierarchy.cpp). 16-bit floats fold float32 partial sums, so they
-// cost as 4-byte elements.
-Algo Communicator::allreduceAlgo(const OpHeader& header) const {
-  const auto kind = static_cast<OpKind>(header.kind);
-  const bool reducesAcrossHosts = kind == OpKind::ALLREDUCE || kind == OpKind::ALLREDUCE_MANY ||
-                                  kind == OpKind::REDUCE_SCATTER || kind == OpKind::REDUCE;
-  if (numHosts() == 1 || !reducesAcrossHosts || header.onGpu) return Algo::Auto;
-  const auto dtype = static_cast<DType>(header.dtype);
-  const size_t esize = isHalfFloat(dtype) ? 4 : elementSize(dtype);
-  const auto forced = static_cast<Algo>(opt_.algo);
-  if (kind == OpKind::REDUCE_SCATTER) {
-    std::vector<size_t> blockBytes;
-    for (const auto& block : hostBlocks(header)) {
-      size_t elements = 0;
-      for (const Range& r : block) elements += r.count;
-      blockBytes.push_back(elements * esize);
-    }
-    return chooseReduceScatter(forced, header.count, esize, blockBytes, cost_);
-  }
-  return chooseAllreduce(forced, numHosts(), header.count, esize, cost_);
-}
-
-std::string Communicator::allreduceAlgoOf(const at::Tensor& tensor) const {
-  DType dtype;
-  if (!engineDType(tensor.scalar_type(), &dtype)) return "";
-  OpHeader header;
-  header.kind = static_cast<uint8_t>(OpKind::ALLREDUCE);
-  header.dtype = static_cast<uint8_t>(dtype);
-  header.count = static_cast<uint64_t>(tensor.numel());
-  const Algo algo = allreduceAlgo(header);
-  return algo == Algo::Auto ? "" : algoName(algo);
-}
-
 // The Python checks of allreduce (collectives/_checks.py check_tensor, check_op), in C++.
 static bool plainAllreduceArgs(const at::Tensor& t, int op) {
   if (!t.defined() || t.layout() != at::kStrided || !t.device().is_cpu() || !t.is_contiguous()) return false;
@@ -397,14 +263,6 @@ void Communicator::onP2PFailure(const std::string& message) {
   if (shm_) shm_->abort(message);
   if (tcp_) tcp_->interrupt();
   postFailure(message);
-}
-
-// Tells the others why through the failure board, without waiting long on the store.
-void Communicator::postFailure(const std::string& message) {
-  if (!board_.post) return;
-  auto post = board_.post;
-  const int rank = opt_.rank;
-  withDeadline([post, rank, message] { post(rank, message); return std::string(); }, 1.0, "");
 }
 
 std::shared_ptr<CpuWork> Communicator::submitCheck(OpKind kind, const at::Tensor& like, ReduceOp op,

@@ -1,7 +1,9 @@
 // The per-process communicator: topology, an ordered queue of collectives, the progress
 // thread that runs them, and how the transports combine. communicator.cpp holds the queue,
-// the header checks and failure handling; hierarchy.cpp the algorithms that compose the
-// shared-memory group and the leaders' TCP links (within a host, then between hosts).
+// the header checks and failure handling; failure_board.cpp how failures are told and read
+// through the store; hierarchy.cpp the algorithms that compose the shared-memory group and
+// the leaders' TCP links (within a host, then between hosts) and which one each operation
+// runs; fused.cpp the header exchange among hosts and the small allreduces riding on it.
 #pragma once
 
 #include <ATen/ATen.h>

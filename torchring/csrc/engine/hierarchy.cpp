@@ -152,6 +152,41 @@ at::Tensor Communicator::allgather(const at::Tensor& input, const std::vector<Op
   return out;
 }
 
+// The algorithm among hosts of an operation that reduces there (Algo::Auto when there is
+// none): TORCHRING_ALGO's, or the cost model's for this size; for reduce_scatter, Ring means
+// the ring reduce-scatter (hierarchy.cpp). 16-bit floats fold float32 partial sums, so they
+// cost as 4-byte elements.
+Algo Communicator::allreduceAlgo(const OpHeader& header) const {
+  const auto kind = static_cast<OpKind>(header.kind);
+  const bool reducesAcrossHosts = kind == OpKind::ALLREDUCE || kind == OpKind::ALLREDUCE_MANY ||
+                                  kind == OpKind::REDUCE_SCATTER || kind == OpKind::REDUCE;
+  if (numHosts() == 1 || !reducesAcrossHosts || header.onGpu) return Algo::Auto;
+  const auto dtype = static_cast<DType>(header.dtype);
+  const size_t esize = isHalfFloat(dtype) ? 4 : elementSize(dtype);
+  const auto forced = static_cast<Algo>(opt_.algo);
+  if (kind == OpKind::REDUCE_SCATTER) {
+    std::vector<size_t> blockBytes;
+    for (const auto& block : hostBlocks(header)) {
+      size_t elements = 0;
+      for (const Range& r : block) elements += r.count;
+      blockBytes.push_back(elements * esize);
+    }
+    return chooseReduceScatter(forced, header.count, esize, blockBytes, cost_);
+  }
+  return chooseAllreduce(forced, numHosts(), header.count, esize, cost_);
+}
+
+std::string Communicator::allreduceAlgoOf(const at::Tensor& tensor) const {
+  DType dtype;
+  if (!engineDType(tensor.scalar_type(), &dtype)) return "";
+  OpHeader header;
+  header.kind = static_cast<uint8_t>(OpKind::ALLREDUCE);
+  header.dtype = static_cast<uint8_t>(dtype);
+  header.count = static_cast<uint64_t>(tensor.numel());
+  const Algo algo = allreduceAlgo(header);
+  return algo == Algo::Auto ? "" : algoName(algo);
+}
+
 std::vector<std::vector<Range>> Communicator::hostBlocks(const OpHeader& header) const {
   const int64_t total = header.ndim > 0 ? header.dims[0] : 1;
   const size_t rowElems = total > 0 ? header.count / static_cast<size_t>(total) : 0;
