@@ -187,10 +187,14 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   static void waitAll(const std::vector<std::shared_ptr<CpuWork>>& works);
   std::string failedMessage(const OpHeader& header) const;
   Algo allreduceAlgo(const OpHeader& header) const;
+  // The op to fold with and the factor for the full sum: AVG folds as SUM, and its 1/size and
+  // the postscale are applied once, to the full-precision sum.
+  std::pair<ReduceOp, double> reductionOf(const OpHeader& header) const;
   // fused.cpp: the leaders' header exchange and the small allreduces that ride on it.
   static size_t carriedBytes(const OpHeader& header, bool partial);
   std::vector<std::vector<Span>> headerSpans(std::vector<OpHeader>& all) const;
-  // `all` holds this host's headers; fills the others (carry: what this operation carries).
+  // `all` holds this host's headers; fills the others (carry: what this operation carries;
+  // its bytesOf is set here, from the headers, for every operation alike).
   void exchangeHostHeaders(std::vector<OpHeader>& all, const TcpLinks::Carry* carry);
   at::Tensor runCarried(Op& op);
   // Elements of each host's ranks' rows in a reduce_scatter (hierarchy.cpp).

@@ -38,11 +38,12 @@ std::vector<std::vector<Span>> Communicator::headerSpans(std::vector<OpHeader>& 
 
 void Communicator::exchangeHostHeaders(std::vector<OpHeader>& all, const TcpLinks::Carry* carry) {
   if (isLeader()) {
-    TcpLinks::Carry drain;  // this operation carries nothing: others' data is read and dropped
-    drain.bytesOf = [this, &all](int member, bool partial) {
+    // Without a carry this operation carries nothing: others' data is read and dropped.
+    TcpLinks::Carry what = carry ? *carry : TcpLinks::Carry();
+    what.bytesOf = [this, &all](int member, bool partial) {
       return carriedBytes(all[opt_.hosts[member][0]], partial);
     };
-    tcp_->exchangeHeaders(headerSpans(all), carry ? *carry : drain);
+    tcp_->exchangeHeaders(headerSpans(all), what);
     if (shm_) shm_->publishAllHeaders(all);
   } else {
     shm_->receiveAllHeaders(all[opt_.rank].seq, all);
@@ -58,9 +59,9 @@ at::Tensor Communicator::runCarried(Op& op) {
   bool localOk = true;  // the same verdict on every rank of the host
   for (int r : local) localOk = localOk && all[r].matches(all[local[0]]);
   const auto dtype = static_cast<DType>(header.dtype);
-  auto rop = static_cast<ReduceOp>(header.op);
-  const double scale = (rop == ReduceOp::AVG ? 1.0 / opt_.size : 1.0) * header.postscale;
-  if (rop == ReduceOp::AVG) rop = ReduceOp::SUM;
+  const auto reduction = reductionOf(header);  // named: the lambdas below capture them
+  const ReduceOp rop = reduction.first;
+  const double scale = reduction.second;
   const size_t count = header.count;
   at::Tensor copy = op.tensor.clone();
   char* data = static_cast<char*>(copy.data_ptr());
@@ -81,9 +82,6 @@ at::Tensor Communicator::runCarried(Op& op) {
   TcpLinks::Carry carry;
   carry.work = half ? reinterpret_cast<char*>(hostSum.data()) : data;
   carry.out = data;
-  carry.bytesOf = [this, &all](int member, bool partial) {
-    return carriedBytes(all[opt_.hosts[member][0]], partial);
-  };
   const DType workType = half ? DType::F32 : dtype;
   carry.fold = [&](char* work, const char* received) {
     const void* srcs[2] = {work, received};

@@ -16,10 +16,7 @@ namespace torchring {
 void Communicator::allreduce(char* data, const OpHeader& header,
                              const std::vector<OpHeader>& headers) {
   const auto dtype = static_cast<DType>(header.dtype);
-  auto op = static_cast<ReduceOp>(header.op);
-  // AVG's 1/size and the caller's postscale are applied once, to the full-precision sum.
-  const double scale = (op == ReduceOp::AVG ? 1.0 / opt_.size : 1.0) * header.postscale;
-  if (op == ReduceOp::AVG) op = ReduceOp::SUM;
+  const auto [op, scale] = reductionOf(header);
   const size_t count = header.count;
   if (numHosts() == 1) {
     if (shm_) shm_->allreduce(data, count, dtype, op, scale, headers);
@@ -63,19 +60,16 @@ at::Tensor Communicator::reduceScatter(const at::Tensor& input, const OpHeader& 
       src = input.clone();
       scaleInPlace(src.data_ptr(), header.count, dtype, header.prescale);
     }
-    auto op = static_cast<ReduceOp>(header.op);
-    const double scale = (op == ReduceOp::AVG ? 1.0 / opt_.size : 1.0) * header.postscale;
+    const auto [op, scale] = reductionOf(header);
     shm_->reduceScatter(static_cast<const char*>(src.data_ptr()), static_cast<char*>(out.data_ptr()),
-                        header.count, dtype, op == ReduceOp::AVG ? ReduceOp::SUM : op, scale);
+                        header.count, dtype, op, scale);
     return out;
   }
   at::Tensor full = input.clone();
   if (header.prescale != 1.0) scaleInPlace(full.data_ptr(), header.count, dtype, header.prescale);
   char* data = static_cast<char*>(full.data_ptr());
   if (numHosts() > 1 && static_cast<Algo>(header.algo) == Algo::Ring) {
-    auto op = static_cast<ReduceOp>(header.op);
-    const double scale = (op == ReduceOp::AVG ? 1.0 / opt_.size : 1.0) * header.postscale;
-    if (op == ReduceOp::AVG) op = ReduceOp::SUM;
+    const auto [op, scale] = reductionOf(header);
     const auto blocks = hostBlocks(header);
     if (isHalfFloat(dtype) && shm_) {
       std::vector<float> hostSum(isLeader() ? header.count : 0);
@@ -179,12 +173,14 @@ Algo Communicator::allreduceAlgo(const OpHeader& header) const {
 std::string Communicator::allreduceAlgoOf(const at::Tensor& tensor) const {
   DType dtype;
   if (!engineDType(tensor.scalar_type(), &dtype)) return "";
-  OpHeader header;
-  header.kind = static_cast<uint8_t>(OpKind::ALLREDUCE);
-  header.dtype = static_cast<uint8_t>(dtype);
-  header.count = static_cast<uint64_t>(tensor.numel());
-  const Algo algo = allreduceAlgo(header);
+  const Algo algo = allreduceAlgo(makeHeader(OpKind::ALLREDUCE, tensor, ReduceOp::SUM, -1));
   return algo == Algo::Auto ? "" : algoName(algo);
+}
+
+std::pair<ReduceOp, double> Communicator::reductionOf(const OpHeader& header) const {
+  const auto op = static_cast<ReduceOp>(header.op);
+  const double scale = (op == ReduceOp::AVG ? 1.0 / opt_.size : 1.0) * header.postscale;
+  return {op == ReduceOp::AVG ? ReduceOp::SUM : op, scale};
 }
 
 std::vector<std::vector<Range>> Communicator::hostBlocks(const OpHeader& header) const {

@@ -89,11 +89,7 @@ double broadcastSeconds(Algo algo, int members, size_t bytes, size_t segment, co
 }
 
 double headerSeconds(int members, const LinkCost& cost) {
-  if (members <= 1) return 0;
-  const int p2 = powerOfTwoBelow(members);
-  int steps = members > p2 ? 2 : 0;
-  for (int mask = 1; mask < p2; mask <<= 1) ++steps;
-  return steps * cost.alpha;
+  return members <= 1 ? 0 : doublingSteps(members) * cost.alpha;
 }
 
 Algo chooseAllreduce(Algo forced, int members, size_t count, size_t esize, const LinkCost& cost) {

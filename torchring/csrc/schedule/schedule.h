@@ -65,6 +65,8 @@ Range chunkOf(size_t count, int parts, int i);
 int powerOfTwoBelow(int members);
 int coreOf(int members, int me);        // -1 for a member that sits out
 int memberOf(int members, int core);    // the member with core index `core`
+// The longest member's step count under Doubling: log2(p2), and two more with the fold.
+int doublingSteps(int members);
 
 // Ring, Doubling or Rabenseifner, for `count` elements.
 Schedule allreduceSchedule(Algo algo, int members, int me, size_t count);

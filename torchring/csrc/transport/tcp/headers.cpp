@@ -5,7 +5,6 @@
 // header says it carries (carry.bytesOf): the receiver reads the headers first and only
 // then knows how much data follows, so a message is always read whole, and the next
 // operation starts aligned, even when the ranks' operations differ.
-#include "core/reduce.h"
 #include "transport/tcp/links.h"
 
 namespace torchring {

@@ -185,10 +185,7 @@ LinkCost TcpLinks::measure() {
     return best;
   };
   const auto steps = allreduceSchedule(Algo::Doubling, members(), opt_.member, 1).steps;
-  size_t longest = 0;
-  for (int m = 0; m < members(); ++m) {
-    longest = std::max(longest, allreduceSchedule(Algo::Doubling, members(), m, 1).steps.size());
-  }
+  const int longest = doublingSteps(members());
   char out[8] = {}, in[8];
   auto doubling = [&] {
     for (const Step& step : steps) {

@@ -111,6 +111,9 @@ class TcpLinks {
                 const std::function<size_t()>& sendable = nullptr);
   // ring.cpp: the ring allreduce as one stream each way (Algo::Ring).
   void ringAllreduce(char* data, size_t count, DType dtype, ReduceOp op, double scale, float* hostSum);
+  // steps.cpp: `hostSum`, or for 16-bit floats without one `data` widened to float32 (what
+  // the folds run on); nullptr for other dtypes.
+  float* partialSums(char* data, size_t count, DType dtype, float* hostSum);
   // steps.cpp: any allreduce schedule, one step at a time, folding as bytes arrive.
   void stepAllreduce(const Schedule& schedule, char* data, size_t count, DType dtype, ReduceOp op,
                      double scale, float* hostSum);

@@ -32,14 +32,17 @@ std::vector<Span> spansOf(const std::vector<Range>& ranges, char* base, size_t u
 
 }  // namespace
 
+float* TcpLinks::partialSums(char* data, size_t count, DType dtype, float* hostSum) {
+  if (!isHalfFloat(dtype) || hostSum != nullptr) return hostSum;
+  hostSum_.resize(count);
+  widenToFloat(hostSum_.data(), data, count, dtype);
+  return hostSum_.data();
+}
+
 void TcpLinks::allreduce(Algo algo, char* data, size_t count, DType dtype, ReduceOp op, double scale,
                          float* hostSum) {
   if (members() == 1 || count == 0) return;
-  if (isHalfFloat(dtype) && hostSum == nullptr) {
-    hostSum_.resize(count);
-    widenToFloat(hostSum_.data(), data, count, dtype);
-    hostSum = hostSum_.data();
-  }
+  hostSum = partialSums(data, count, dtype, hostSum);
   if (algo == Algo::Ring) return ringAllreduce(data, count, dtype, op, scale, hostSum);
   stepAllreduce(allreduceSchedule(algo, members(), opt_.member, count), data, count, dtype, op, scale, hostSum);
 }
@@ -47,11 +50,7 @@ void TcpLinks::allreduce(Algo algo, char* data, size_t count, DType dtype, Reduc
 void TcpLinks::reduceScatter(char* data, size_t count, DType dtype, ReduceOp op, double scale,
                              const std::vector<std::vector<Range>>& blocks, float* hostSum) {
   if (count == 0) return;
-  if (isHalfFloat(dtype) && hostSum == nullptr) {
-    hostSum_.resize(count);
-    widenToFloat(hostSum_.data(), data, count, dtype);
-    hostSum = hostSum_.data();
-  }
+  hostSum = partialSums(data, count, dtype, hostSum);
   stepAllreduce(reduceScatterSchedule(members(), opt_.member, blocks), data, count, dtype, op, scale, hostSum);
 }
 
