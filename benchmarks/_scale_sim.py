@@ -3,8 +3,8 @@ modelled links (benchmarks/scale_model.py is the command line).
 
 A plan is one list of steps per host leader, read from the engine's bindings, never
 re-derived here: the header exchange every operation among hosts starts with (the Doubling
-schedule, ``allreduce_schedule("doubling", ...)``, whose messages carry the header blocks
-``carried_along`` names: a host's block is its ranks' OpHeaders), then the allreduce's own
+schedule, ``allreduce_schedule("doubling", ...)``, each message one summary of the headers its
+sender knows: the engine's rounds when every rank's header agrees), then the allreduce's own
 schedule (``allreduce_schedule``), or, for a Doubling allreduce of at most 256 KiB, its data
 riding on the header exchange's messages instead (engine/fused.cpp). A step sends some bytes to
 one leader and receives some from one (either may be absent) at the same time, as
@@ -53,10 +53,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-# sizeof(torchring::OpHeader) (torchring/csrc/core/common.h) on x86-64: each rank's header, which
-# every operation among hosts spreads to every leader before (or with) its data: a host's block
-# is its per_host headers. tests/unit/test_scale_model.py compiles the struct to check it.
+# sizeof(torchring::OpHeader) (torchring/csrc/core/common.h) on x86-64, and of the summary each
+# header-exchange message carries (transport/tcp/headers.cpp: a flag word and the sender's
+# header). tests/unit/test_scale_model.py compiles the structs to check them.
 HEADER_BYTES = 144
+SUMMARY_BYTES = 8 + HEADER_BYTES
 
 # The largest allreduce whose partial results ride on the header exchange when its algorithm
 # is Doubling (kCarriedLimitBytes, torchring/csrc/schedule/cost.h; the test compiles it too).
@@ -126,25 +127,18 @@ def carried(algo: str, count: int, esize: int) -> int:
     return n if algo == "doubling" and 0 < n <= CARRIED_LIMIT else 0
 
 
-@lru_cache(maxsize=16)
-def _carried_blocks(E: Any, hosts: int) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """Per leader and header step: how many host blocks of headers it sends and receives."""
-    return tuple(tuple((len(sent), len(got)) for sent, got in E.carried_along("doubling", hosts, me))
-                 for me in range(hosts))
-
-
 @lru_cache(maxsize=256)
 def header_steps(E: Any, hosts: int, per_host: int, data: int = 0) -> tuple[tuple[Step, ...], ...]:
-    """Every leader's steps of the header exchange (transport/tcp/headers.cpp): Doubling's steps,
-    each message the header blocks E.carried_along names (a block: one host's per_host headers),
-    then `data` bytes when an allreduce rides on it, folded in its fold steps."""
-    block, out = per_host * HEADER_BYTES, []
-    for me, blocks in enumerate(_carried_blocks(E, hosts)):
+    """Every leader's steps of the header exchange (transport/tcp/headers.cpp), when the headers
+    agree: Doubling's steps, each message one SUMMARY_BYTES summary whatever per_host is, then
+    `data` bytes when an allreduce rides on it, folded in its fold steps."""
+    out = []
+    for me in range(hosts):
         steps = E.allreduce_schedule("doubling", hosts, me, 1)["steps"]
-        out.append(tuple((s["send_to"], s["recv_from"], sent * block + data if s["send_to"] >= 0 else 0,
-                          got * block + data if s["recv_from"] >= 0 else 0,
+        out.append(tuple((s["send_to"], s["recv_from"], SUMMARY_BYTES + data if s["send_to"] >= 0 else 0,
+                          SUMMARY_BYTES + data if s["recv_from"] >= 0 else 0,
                           data if s["fold"] and s["recv_from"] >= 0 else 0, 0.0)
-                         for s, (sent, got) in zip(steps, blocks)))
+                         for s in steps))
     return tuple(out)
 
 

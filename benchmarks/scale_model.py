@@ -10,7 +10,7 @@
 
 Method. benchmarks/_scale_sim.py reads every host leader's steps from the engine's bindings
 (the header exchange every operation starts with: Doubling's steps, E.allreduce_schedule, each
-message the 144-byte OpHeaders of the hosts E.carried_along names; then E.allreduce_schedule for
+message a 152-byte summary of the headers its sender knows; then E.allreduce_schedule for
 the data, or a small Doubling allreduce's data riding on the header exchange), adds the host's
 shared-memory stages (a + n/bw before, for the host's reduce, and after, for its broadcast; none at
 one rank per host) and replays them as messages over one full-duplex NIC per leader (bandwidth B

@@ -24,6 +24,8 @@ from torchring._core.types import OpKind, ReduceOp
 LAYOUTS = {
     "shm-aaaa": ("aaaa", "shm", (0, 2, 3)),
     "tcp-abcd": ("abcd", "tcp", (0, 1, 3)),
+    # Five hosts: 0 sits out of the header exchange's core (folds in and out), 4 is in it.
+    "tcp-abcde": ("abcde", "tcp", (0, 4)),
     "hybrid-aab": ("aab", "shm", (0, 1, 2)),   # 1: the non-leader of host a; 2: host b alone
     "hybrid-abab": ("abab", "shm", (0, 2, 3)),  # 2 and 3: the non-leaders of hosts a and b
 }

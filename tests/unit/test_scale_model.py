@@ -55,7 +55,7 @@ def test_ring_of_four_equals_the_closed_form() -> None:
     closed = sim.closed_form(ENGINE, "ring", 4, 1, count, 4, net, sim.Shm())
     by_hand = 6 * (S + D + 1000 / B) + 3 * 1000 * 0.2e-9  # 6 steps of 1 KB, 3 fold 1 KB
     assert _close(closed["allreduce"], by_hand)
-    assert _close(closed["header"], 2 * (S + D) + 3 * sim.HEADER_BYTES / B)  # doubling: 1 then 2 blocks
+    assert _close(closed["header"], 2 * (S + D) + 2 * sim.SUMMARY_BYTES / B)  # doubling: one summary a step
     assert all(_close(f, closed["header"] + closed["allreduce"]) for f in sim.simulate(plans, net))
 
 
@@ -94,10 +94,10 @@ def test_a_small_doubling_rides_on_the_header_exchange() -> None:
     net = sim.Net(bandwidth=B, latency=D, overhead=S, gamma=0.2e-9)
     plans = sim.plan(ENGINE, "doubling", 4, 1, 100, 4, sim.Shm())  # 400 B: log2(4) steps in all
     assert [len(p) for p in plans] == [2] * 4
-    by_hand = 2 * (S + D) + (1 + 2) * sim.HEADER_BYTES / B + 2 * 400 / B + 2 * 400 * 0.2e-9
+    by_hand = 2 * (S + D) + 2 * sim.SUMMARY_BYTES / B + 2 * 400 / B + 2 * 400 * 0.2e-9
     assert all(_close(f, by_hand) for f in sim.simulate(plans, net))
     closed = sim.closed_form(ENGINE, "doubling", 4, 1, 100, 4, net, sim.Shm())
-    assert _close(closed["header"], 3 * sim.HEADER_BYTES / B) and _close(sum(closed.values()), by_hand)
+    assert _close(closed["header"], 2 * sim.SUMMARY_BYTES / B) and _close(sum(closed.values()), by_hand)
     big = sim.plan(ENGINE, "doubling", 4, 1, sim.CARRIED_LIMIT // 4 + 1, 4, sim.Shm())
     assert [len(p) for p in big] == [4] * 4  # past the limit: the header exchange, then the allreduce
 
@@ -106,8 +106,8 @@ def test_shared_memory_stages_bracket_the_leaders() -> None:
     shm = sim.Shm(a=5e-6, bw=10e9)
     alone = max(sim.simulate(sim.plan(ENGINE, "rabenseifner", 4, 1, 1000, 4, shm), NET))
     eight = max(sim.simulate(sim.plan(ENGINE, "rabenseifner", 4, 8, 1000, 4, shm), NET))
-    header_growth = 3 * 7 * sim.HEADER_BYTES / B  # the exchange moves 3 host blocks, each 7 headers larger
-    assert _close(eight - alone, 2 * (5e-6 + 4000 / 10e9) + header_growth)
+    # The header exchange's summaries do not grow with the ranks per host: only the stages differ.
+    assert _close(eight - alone, 2 * (5e-6 + 4000 / 10e9))
 
 
 def test_lower_bound_by_hand() -> None:
@@ -134,13 +134,14 @@ def test_constants_are_the_engines(tmp_path) -> None:
     if cxx is None:
         pytest.skip("no C++ compiler")
     src = tmp_path / "sizes.cpp"
-    src.write_text('#include "core/common.h"\n#include "schedule/cost.h"\n#include <cstdio>\n'
-                   'int main() { std::printf("%zu %zu", sizeof(torchring::OpHeader), torchring::kCarriedLimitBytes); }\n')
+    src.write_text('#include "transport/tcp/links.h"\n#include <cstdio>\n'
+                   'int main() { std::printf("%zu %zu %zu", sizeof(torchring::OpHeader), sizeof(torchring::HeaderSummary),'
+                   ' torchring::kCarriedLimitBytes); }\n')
     exe = tmp_path / "sizes"
     subprocess.run([cxx, "-std=c++17", "-I", os.path.join(ROOT, "torchring", "csrc"), str(src), "-o", str(exe)],
                    check=True)
     out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()
-    assert [int(x) for x in out] == [sim.HEADER_BYTES, sim.CARRIED_LIMIT]
+    assert [int(x) for x in out] == [sim.HEADER_BYTES, sim.SUMMARY_BYTES, sim.CARRIED_LIMIT]
 
 
 def test_validate_counts_matches(tmp_path, capsys) -> None:

@@ -181,6 +181,10 @@ bool OpHeader::matches(const OpHeader& o) const {
   return sameShape(o, 0);
 }
 
+bool OpHeader::sameForAll(const OpHeader& o) const {
+  return matches(o) && count == o.count && rows == o.rows && sameShape(o, 0);
+}
+
 namespace {
 std::mutex sinkMutex;
 std::function<void(const std::string&)>* warningSink = nullptr;  // leaked: outlives every caller

@@ -155,6 +155,9 @@ struct OpHeader {
   std::string what() const;
   // True when the two headers describe the same collective (per-rank fields ignored).
   bool matches(const OpHeader& other) const;
+  // matches(), and the per-rank fields other hosts read (count, rows) equal too: one of the
+  // two can stand for both in the header exchange among hosts (transport/tcp/headers.cpp).
+  bool sameForAll(const OpHeader& other) const;
   // True when both have the same number of dims and equal dims from `fromDim` on.
   bool sameShape(const OpHeader& other, int fromDim) const;
 };

@@ -192,7 +192,6 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   std::pair<ReduceOp, double> reductionOf(const OpHeader& header) const;
   // fused.cpp: the leaders' header exchange and the small allreduces that ride on it.
   static size_t carriedBytes(const OpHeader& header, bool partial);
-  std::vector<std::vector<Span>> headerSpans(std::vector<OpHeader>& all) const;
   // `all` holds this host's headers; fills the others (carry: what this operation carries;
   // its bytesOf is set here, from the headers, for every operation alike).
   void exchangeHostHeaders(std::vector<OpHeader>& all, const TcpLinks::Carry* carry);

@@ -27,23 +27,12 @@ size_t Communicator::carriedBytes(const OpHeader& header, bool partial) {
   return partial ? work : header.count * elementSize(dtype);
 }
 
-// Every leader's header spans by host index, into `all`.
-std::vector<std::vector<Span>> Communicator::headerSpans(std::vector<OpHeader>& all) const {
-  std::vector<std::vector<Span>> blocks(numHosts());
-  for (int h = 0; h < numHosts(); ++h) {
-    for (int r : opt_.hosts[h]) blocks[h].push_back({reinterpret_cast<char*>(&all[r]), sizeof(OpHeader)});
-  }
-  return blocks;
-}
-
 void Communicator::exchangeHostHeaders(std::vector<OpHeader>& all, const TcpLinks::Carry* carry) {
   if (isLeader()) {
     // Without a carry this operation carries nothing: others' data is read and dropped.
     TcpLinks::Carry what = carry ? *carry : TcpLinks::Carry();
-    what.bytesOf = [this, &all](int member, bool partial) {
-      return carriedBytes(all[opt_.hosts[member][0]], partial);
-    };
-    tcp_->exchangeHeaders(headerSpans(all), what);
+    what.bytesOf = carriedBytes;
+    tcp_->exchangeHeaders(all, opt_.hosts, what);
     if (shm_) shm_->publishAllHeaders(all);
   } else {
     shm_->receiveAllHeaders(all[opt_.rank].seq, all);

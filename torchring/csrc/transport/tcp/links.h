@@ -21,6 +21,12 @@ struct Span {
   size_t bytes;
 };
 
+// What every message of the header exchange's summary round carries (headers.cpp).
+struct HeaderSummary {
+  uint64_t agree = 0;  // 1: every header the sender knows is sameForAll with `header`
+  OpHeader header;     // the sender's own
+};
+
 struct TcpOptions {
   int rank = 0;                  // global rank of this process
   int member = 0;                // this leader's host index
@@ -73,20 +79,22 @@ class TcpLinks {
   struct Carry {
     char* work = nullptr;  // this member's partial result: what fold steps send and fold into
     char* out = nullptr;   // the result: what copy steps send and receive
-    // Bytes member m's messages carry in a fold step (partial) or a copy step, from m's
-    // headers, which arrive before the data: every member computes the same from the same
-    // headers, so the streams stay aligned whatever the operations are.
-    std::function<size_t(int member, bool partial)> bytesOf;
+    // Bytes a member whose header is `header` carries in a fold step (partial) or a copy
+    // step. The header arrives before the data, so every member computes the same from the
+    // same header and the streams stay aligned whatever the operations are. Empty: nothing.
+    std::function<size_t(const OpHeader& header, bool partial)> bytesOf;
     std::function<void(char* work, const char* received)> fold;  // folds a partial result in
     std::function<void()> finish;  // the fold steps are over: make `out` from `work`
   };
-  // Recursive doubling among the members (schedule Doubling, with its fold in and out) in
-  // which every message is the header blocks its sender knows (headers[m]: member m's spans;
-  // this member's are filled, the others arrive), then what `carry` says its sender carries.
-  // Returns true when every carried part had this member's own size and was folded or
-  // placed; false when one did not (read and dropped: the headers differ then, and the
-  // caller fails the operation alike on every rank).
-  bool exchangeHeaders(const std::vector<std::vector<Span>>& headers, const Carry& carry);
+  // Every rank's header to every member: recursive doubling among the members (schedule
+  // Doubling, with its fold in and out) whose messages carry a summary of the headers their
+  // sender knows, then what `carry` says its sender carries (headers.cpp says how). all[r]:
+  // rank r's header, filled for this member's ranks (ranksOf[member], its leader first); on
+  // return every entry is filled (another host's ranks with this leader's own header when
+  // every header in the job is sameForAll with it). Returns true when every header was
+  // sameForAll and every carried part had this member's own size and was folded or placed.
+  bool exchangeHeaders(std::vector<OpHeader>& all, const std::vector<std::vector<int>>& ranksOf,
+                       const Carry& carry);
 
   // The operation that failure messages name (its words are made only when one fails).
   void setOp(const OpHeader& header) { op_ = header; hasOp_ = true; }
