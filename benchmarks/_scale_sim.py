@@ -5,8 +5,9 @@ A plan is one list of steps per host leader, read from the engine's bindings, ne
 re-derived here: the header exchange every operation among hosts starts with (the Doubling
 schedule, ``allreduce_schedule("doubling", ...)``, each message one summary of the headers its
 sender knows: the engine's rounds when every rank's header agrees), then the allreduce's own
-schedule (``allreduce_schedule``), or, for a Doubling allreduce of at most 256 KiB, its data
-riding on the header exchange's messages instead (engine/fused.cpp). A step sends some bytes to
+schedule (``allreduce_schedule``), or, for a Doubling or Rabenseifner allreduce small enough to
+ride on the header exchange (``rides_on_headers``), its own schedule whose first steps carry the
+summaries (engine/fused.cpp). A step sends some bytes to
 one leader and receives some from one (either may be absent) at the same time, as
 torchring/csrc/schedule/schedule.h says; a delay step is a local stage (the host's
 shared-memory reduce before the leaders' part, its broadcast after).
@@ -58,10 +59,6 @@ from typing import Any
 # header). tests/unit/test_scale_model.py compiles the structs to check them.
 HEADER_BYTES = 144
 SUMMARY_BYTES = 8 + HEADER_BYTES
-
-# The largest allreduce whose partial results ride on the header exchange when its algorithm
-# is Doubling (kCarriedLimitBytes, torchring/csrc/schedule/cost.h; the test compiles it too).
-CARRIED_LIMIT = 256 << 10
 
 # One leader-step: (send_to, recv_from, send_bytes, recv_bytes, folded_bytes, delay_seconds).
 # send_to / recv_from are leader indices or -1; a delay step has both -1 and only a delay.
@@ -120,40 +117,51 @@ def allreduce_steps(E: Any, algo: str, hosts: int, count: int, esize: int) -> tu
     return tuple(out)
 
 
-def carried(algo: str, count: int, esize: int) -> int:
-    """Bytes of data each header-exchange message carries (engine/fused.cpp carriedBytes): a
-    Doubling allreduce of at most CARRIED_LIMIT bytes rides on the header exchange."""
-    n = count * esize
-    return n if algo == "doubling" and 0 < n <= CARRIED_LIMIT else 0
+def rides(E: Any, algo: str, count: int, esize: int) -> bool:
+    """Whether the allreduce rides on the header exchange (engine/fused.cpp carriedPlan): Doubling
+    or Rabenseifner (any halvings) of at most the engine's carried_limit_bytes()."""
+    return bool(E.rides_on_headers(algo, count, esize))
 
 
 @lru_cache(maxsize=256)
-def header_steps(E: Any, hosts: int, per_host: int, data: int = 0) -> tuple[tuple[Step, ...], ...]:
-    """Every leader's steps of the header exchange (transport/tcp/headers.cpp), when the headers
-    agree: Doubling's steps, each message one SUMMARY_BYTES summary whatever per_host is, then
-    `data` bytes when an allreduce rides on it, folded in its fold steps."""
+def header_steps(E: Any, hosts: int) -> tuple[tuple[Step, ...], ...]:
+    """Every leader's steps of the header exchange (transport/tcp/headers.cpp) when the headers
+    agree: Doubling's steps, each message one SUMMARY_BYTES summary whatever the ranks per host."""
     out = []
     for me in range(hosts):
         steps = E.allreduce_schedule("doubling", hosts, me, 1)["steps"]
-        out.append(tuple((s["send_to"], s["recv_from"], SUMMARY_BYTES + data if s["send_to"] >= 0 else 0,
-                          SUMMARY_BYTES + data if s["recv_from"] >= 0 else 0,
-                          data if s["fold"] and s["recv_from"] >= 0 else 0, 0.0)
-                         for s in steps))
+        out.append(tuple((s["send_to"], s["recv_from"], SUMMARY_BYTES if s["send_to"] >= 0 else 0,
+                          SUMMARY_BYTES if s["recv_from"] >= 0 else 0, 0, 0.0) for s in steps))
+    return tuple(out)
+
+
+@lru_cache(maxsize=256)
+def carried_steps(E: Any, algo: str, hosts: int, count: int, esize: int) -> tuple[tuple[Step, ...], ...]:
+    """Every leader's steps of an allreduce riding on the header exchange: its own schedule,
+    whose first steps (the fold in and the core's log2 p2) and fold out are the header
+    exchange's and carry a summary each besides their data."""
+    body, out = allreduce_steps(E, algo, hosts, count, esize), []
+    rem = hosts - (1 << (hosts.bit_length() - 1))
+    for me, (steps, head) in enumerate(zip(body, header_steps(E, hosts))):
+        folds = me < 2 * rem
+        core = len(head) - (1 if folds else 0)
+        marked = set(range(core)) | ({len(steps) - 1} if folds else set())
+        out.append(tuple((to, frm, sb + (SUMMARY_BYTES if i in marked and to >= 0 else 0),
+                          rb + (SUMMARY_BYTES if i in marked and frm >= 0 else 0), fb, delay)
+                         for i, (to, frm, sb, rb, fb, delay) in enumerate(steps)))
     return tuple(out)
 
 
 def plan(E: Any, algo: str, hosts: int, per_host: int, count: int, esize: int, shm: Shm) -> list[list[Step]]:
     """Every leader's steps of one allreduce as the engine runs it (engine/communicator.cpp run):
     the header exchange, the host's shared-memory reduce, `algo` among the leaders, the host's
-    broadcast; a small Doubling allreduce reduces in the host first, then rides on the header
-    exchange (engine/fused.cpp), then the broadcast."""
+    broadcast; an allreduce that rides on the header exchange reduces in the host first, then
+    runs its schedule with the headers on its first steps (engine/fused.cpp), then the broadcast."""
     stage = shm.stage(count * esize, per_host)
     shm_step: list[Step] = [(-1, -1, 0, 0, 0, stage)] if stage > 0 else []
-    data = carried(algo, count, esize)
-    head = header_steps(E, hosts, per_host, data)
-    if data:
-        return [shm_step + list(head[m]) + shm_step for m in range(hosts)]
-    body = allreduce_steps(E, algo, hosts, count, esize)
+    if rides(E, algo, count, esize):
+        return [shm_step + list(steps) + shm_step for steps in carried_steps(E, algo, hosts, count, esize)]
+    head, body = header_steps(E, hosts), allreduce_steps(E, algo, hosts, count, esize)
     return [list(head[m]) + shm_step + list(body[m]) + shm_step for m in range(hosts)]
 
 
@@ -169,10 +177,12 @@ def closed_form(E: Any, algo: str, hosts: int, per_host: int, count: int, esize:
     """The cost model's seconds by stage, summing to the whole: "allreduce" the algorithm's own
     (E.allreduce_seconds), "header" what the header exchange adds to it (the step rule along its
     slowest leader; for an allreduce riding on it, only its header bytes), "shm" the stages."""
-    data = carried(algo, count, esize)
     alone = E.allreduce_seconds(algo, hosts, count, esize, net.alpha, net.beta, net.gamma)
-    head = max(step_sum(h, net) for h in header_steps(E, hosts, per_host, data))
-    return {"header": head - alone if data else head, "allreduce": alone, "shm": 2 * shm.stage(count * esize, per_host)}
+    if rides(E, algo, count, esize):
+        head = max(step_sum(s, net) for s in carried_steps(E, algo, hosts, count, esize)) - alone
+    else:
+        head = max(step_sum(h, net) for h in header_steps(E, hosts))
+    return {"header": head, "allreduce": alone, "shm": 2 * shm.stage(count * esize, per_host)}
 
 
 def lower_bound(hosts: int, nbytes: int, net: Net) -> float:

@@ -77,6 +77,12 @@ from _harness import common_args, finish, machine_info, print_header  # noqa: E4
 from _sizes import fmt_size, parse_size  # noqa: E402
 
 MARK = {"ring": "r", "doubling": "d", "rabenseifner": "h"}  # h: recursive halving + doubling
+
+
+def _mark(algo: str) -> str:
+    """The table's letter for an algorithm: r, d, h (all halvings), hK (K halvings, then doubling)."""
+    word, _, levels = algo.partition(":")
+    return MARK[word] + levels
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp64": 8, "float64": 8, "bf16": 2, "bfloat16": 2, "fp16": 2,
                "float16": 2}
 DEFAULT_SIZES = ",".join(str(4 ** k) for k in range(1, 15))  # 4 B .. 256 MiB
@@ -142,7 +148,7 @@ def print_projection(rows: list[dict], goal: float) -> None:
     at = {(r["hosts"], r["rate_gbit"], r["latency_us"], r["bytes"]): r for r in rows}
     for label in ("choice", "ring"):
         print(f"\n{label} / bound (cross-host time: header exchange + algorithm; "
-              f"{'letter = algorithm chosen: r ring, d doubling, h Rabenseifner; ' if label == 'choice' else ''}"
+              f"{'letter = algorithm chosen: r ring, d doubling, h Rabenseifner, hK its K halvings; ' if label == 'choice' else ''}"
               f"* = above {goal})")
         print("| hosts | Gbit/s | D µs | " + " | ".join(fmt_size(n) for n in sizes) + " |")
         print("|---|---|---|" + "---|" * len(sizes))
@@ -150,7 +156,7 @@ def print_projection(rows: list[dict], goal: float) -> None:
             cells = []
             for n in sizes:
                 c = at[(h, rate, lat, n)][label]
-                cells.append(f"{c['ratio']:.2f}{MARK[c['algo']] if label == 'choice' else ''}"
+                cells.append(f"{c['ratio']:.2f}{_mark(c['algo']) if label == 'choice' else ''}"
                              f"{'*' if c['ratio'] > goal else ''}")
             print(f"| {h} | {rate:g} | {lat:g} | " + " | ".join(cells) + " |")
     print(f"\nworst ratio per (hosts, rate, D) [size, algorithm]; data = without the header exchange")

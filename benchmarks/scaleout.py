@@ -80,7 +80,8 @@ def _rank_main(a: argparse.Namespace) -> None:
     engine_algos = list(build.load().ALGOS)
 
     def use(algo: str) -> None:
-        comm.algo = engine_algos.index(algo)
+        word, _, levels = algo.partition(":")
+        comm.algo, comm.levels = engine_algos.index(word), int(levels or 0)
 
     libs = [f"tr {x}" for x in ALGOS] + ["gloo"]
     calls = {lib: (torchring.allreduce, torchring.barrier) for lib in libs[:-1]}

@@ -22,6 +22,7 @@ LAYOUTS = {
     "shm-4": ("aaaa", "shm", None),
     "tcp-2": ("ab", "tcp", None),
     "tcp-3": ("abc", "tcp", None),
+    "tcp-5": ("abcde", "tcp", None),
     "hybrid-aab": ("aab", "shm", 0),
     "hybrid-abab": ("abab", "shm", None),
 }
@@ -102,6 +103,14 @@ def test_allreduce_every_dtype_op_and_size(layout: str) -> None:
 def test_allreduce_every_algorithm_among_hosts(layout: str, algo: str) -> None:
     """Each forced algorithm among hosts (3 hosts fold one in and out; 2 do not)."""
     _sweep_on(layout, _allreduce_sweep, algo)
+
+
+@pytest.mark.parametrize("algo", ["doubling", "rabenseifner:1", "rabenseifner"])
+def test_allreduce_halvings_among_five_hosts(algo: str) -> None:
+    """Five hosts (one folds in and out of a core of four): Rabenseifner with one of its two
+    halvings, then doubling on the half window; with both; and Doubling (none). Each rides
+    on the header exchange up to kCarriedLimitBytes."""
+    _sweep_on("tcp-5", _allreduce_sweep, algo)
 
 
 @pytest.mark.parametrize("layout", ["one", "shm-3-chunked", "tcp-3", "hybrid-abab"])

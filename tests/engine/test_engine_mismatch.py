@@ -141,3 +141,43 @@ def test_mismatch_leaves_no_state_behind(layout: str) -> None:
                 if len(bodies) != 1:
                     problems.append(f"odd rank {odd}, {name} call {i}: the ranks disagree: {sorted(bodies)}")
     assert not problems, "\n".join(problems[:30])
+
+
+def _carried_mismatches(rank: int, comm: Any, world: int) -> tuple[list[str | None], list[str]]:
+    """Allreduces that ride on the header exchange (Rabenseifner with one halving, then all),
+    each with rank 3 (a core member; rank 0 folds in and out) differing: in its choice of
+    halvings, in its size, in its op. Every rank must fail each alike, its tensor untouched,
+    and an exact allreduce must follow."""
+    chk = Checker(rank)
+    errors: list[str | None] = []
+    n = 3000
+    cases = [("levels", n, "SUM", 0), ("size", n + 1, "SUM", 1), ("op", n, "MAX", 1)]
+    for what, count, op, levels in cases:
+        odd = rank == 3
+        comm.levels = levels if odd else 1
+        mine = count if odd else n
+        opname = op if odd else "SUM"
+        t = rank_input(rank, world, mine, torch.float32, opname)
+        before = t.clone()
+        errors.append(mismatch_text(submit(comm, OpKind.ALLREDUCE, t, ReduceOp[opname])))
+        chk.equal(f"{what}: the tensor after the failed allreduce", t, before)
+        comm.levels = 1
+        got = submit(comm, OpKind.ALLREDUCE, rank_input(rank, world, n, torch.float32)).wait()
+        chk.equal(f"{what}: the allreduce after it", got, expected_allreduce(world, n, torch.float32, "SUM"))
+    return errors, chk.failures
+
+
+def test_carried_allreduce_mismatch_fails_alike() -> None:
+    world = 5
+    results = run_world(world, lambda r, c: _carried_mismatches(r, c, world), "abcde", "tcp",
+                        timeout=10.0, algo="rabenseifner:1")
+    failures = [f for _, fs in results for f in fs]
+    assert not failures, "\n".join(failures[:10])
+    # Every rank words it alike but for its own name in front ("rank 2: collective #0 ...").
+    texts = [[e.split(": ", 1)[1] if e else e for e in errors] for errors, _ in results]
+    assert all(t == texts[0] for t in texts[1:]), texts
+    levels, size, op = texts[0]
+    assert levels is not None and "ranks chose different algorithms among hosts" in levels, levels
+    assert "rabenseifner:1" in levels and "rank 3 rabenseifner" in levels, levels
+    assert size is not None and "float32[3001]" in size and "rank 3" in size, size
+    assert op is not None and "MAX" in op and "rank 3" in op, op

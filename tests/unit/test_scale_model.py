@@ -98,8 +98,23 @@ def test_a_small_doubling_rides_on_the_header_exchange() -> None:
     assert all(_close(f, by_hand) for f in sim.simulate(plans, net))
     closed = sim.closed_form(ENGINE, "doubling", 4, 1, 100, 4, net, sim.Shm())
     assert _close(closed["header"], 2 * sim.SUMMARY_BYTES / B) and _close(sum(closed.values()), by_hand)
-    big = sim.plan(ENGINE, "doubling", 4, 1, sim.CARRIED_LIMIT // 4 + 1, 4, sim.Shm())
+    big = sim.plan(ENGINE, "doubling", 4, 1, ENGINE.carried_limit_bytes() // 4 + 1, 4, sim.Shm())
     assert [len(p) for p in big] == [4] * 4  # past the limit: the header exchange, then the allreduce
+
+
+def test_rabenseifner_carries_the_headers_on_its_halvings() -> None:
+    """Four hosts, 4000 bytes: two halvings (2000 then 1000 bytes, each with a summary, folded),
+    then two steps back (1000 then 2000 bytes): four steps, none for the header exchange alone."""
+    net = sim.Net(bandwidth=B, latency=D, overhead=S, gamma=0.2e-9)
+    plans = sim.plan(ENGINE, "rabenseifner", 4, 1, 1000, 4, sim.Shm())
+    assert [len(p) for p in plans] == [4] * 4
+    by_hand = (4 * (S + D) + (2000 + 1000 + 2 * sim.SUMMARY_BYTES) / B + (1000 + 2000) / B
+               + (2000 + 1000) * 0.2e-9)
+    assert all(_close(f, by_hand) for f in sim.simulate(plans, net))
+    closed = sim.closed_form(ENGINE, "rabenseifner", 4, 1, 1000, 4, net, sim.Shm())
+    assert _close(closed["header"], 2 * sim.SUMMARY_BYTES / B) and _close(sum(closed.values()), by_hand)
+    # One halving, then doubling on the half window: three steps.
+    assert [len(p) for p in sim.plan(ENGINE, "rabenseifner:1", 4, 1, 1000, 4, sim.Shm())] == [3] * 4
 
 
 def test_shared_memory_stages_bracket_the_leaders() -> None:
@@ -135,13 +150,12 @@ def test_constants_are_the_engines(tmp_path) -> None:
         pytest.skip("no C++ compiler")
     src = tmp_path / "sizes.cpp"
     src.write_text('#include "transport/tcp/links.h"\n#include <cstdio>\n'
-                   'int main() { std::printf("%zu %zu %zu", sizeof(torchring::OpHeader), sizeof(torchring::HeaderSummary),'
-                   ' torchring::kCarriedLimitBytes); }\n')
+                   'int main() { std::printf("%zu %zu", sizeof(torchring::OpHeader), sizeof(torchring::HeaderSummary)); }\n')
     exe = tmp_path / "sizes"
     subprocess.run([cxx, "-std=c++17", "-I", os.path.join(ROOT, "torchring", "csrc"), str(src), "-o", str(exe)],
                    check=True)
     out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()
-    assert [int(x) for x in out] == [sim.HEADER_BYTES, sim.SUMMARY_BYTES, sim.CARRIED_LIMIT]
+    assert [int(x) for x in out] == [sim.HEADER_BYTES, sim.SUMMARY_BYTES]
 
 
 def test_validate_counts_matches(tmp_path, capsys) -> None:

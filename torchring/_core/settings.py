@@ -39,7 +39,7 @@ class Settings:
 
     timeout: float = DEFAULT_TIMEOUT_S  # TORCHRING_TIMEOUT, seconds without progress before failing
     transport: str = "auto"          # TORCHRING_TRANSPORT: auto, shm or tcp
-    algo: str = "auto"               # TORCHRING_ALGO: auto, ring, doubling or rabenseifner (among hosts)
+    algo: str = "auto"               # TORCHRING_ALGO: auto, ring, doubling, rabenseifner[:K] (among hosts)
     hostname: str | None = None      # TORCHRING_HOSTNAME: None = socket.gethostname()
     addr: str | None = None          # TORCHRING_ADDR: None = the local address routing to MASTER_ADDR
     bind_addr: str | None = None     # TORCHRING_BIND_ADDR: None = loopback for a loopback addr, else all
@@ -160,6 +160,17 @@ def choice(*choices: str) -> Callable[[str, str, str], str]:
     return parse
 
 
+def _algo(name: str, raw: str, default: str) -> str:
+    """TORCHRING_ALGO: auto, ring, doubling, rabenseifner, or rabenseifner:K (K halvings, K >= 1)."""
+    value = raw.lower()
+    word, colon, levels = value.partition(":")
+    if colon and word == "rabenseifner" and levels.isdigit() and int(levels) >= 1:
+        return f"rabenseifner:{int(levels)}"
+    if not colon and word in ("auto", "ring", "doubling", "rabenseifner"):
+        return value
+    raise fail(name, raw, "one of auto, ring, doubling, rabenseifner, rabenseifner:K (K halvings, K >= 1)", default)
+
+
 def _word(what: str) -> Callable[[str, str, str], str]:
     def parse(name: str, raw: str, default: str) -> str:
         if any(c.isspace() for c in raw):
@@ -205,7 +216,7 @@ class _Variable:
 _VARIABLES = (
     _Variable("TORCHRING_TIMEOUT", "timeout", _seconds, f"{DEFAULT_TIMEOUT_S:g}"),
     _Variable("TORCHRING_TRANSPORT", "transport", choice("auto", "shm", "tcp"), "auto"),
-    _Variable("TORCHRING_ALGO", "algo", choice("auto", "ring", "doubling", "rabenseifner"), "auto"),
+    _Variable("TORCHRING_ALGO", "algo", _algo, "auto"),
     _Variable("TORCHRING_HOSTNAME", "hostname", _word("a host identity"), "(this host's name)"),
     _Variable("TORCHRING_ADDR", "addr", _word("a host name or IP address"), "(the route to MASTER_ADDR)"),
     _Variable("TORCHRING_BIND_ADDR", "bind_addr", _ipv4, "(all interfaces)"),

@@ -233,7 +233,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("staging_stores", &CommOptions::stagingStores,
                      "stores for shared-memory staging writes: 0 auto (measured), 1 cached, 2 streaming")
       .def_readwrite("algo", &CommOptions::algo,
-                     "the algorithm among hosts (ALGOS index; 0: the cost model chooses per operation)");
+                     "the algorithm among hosts (ALGOS index; 0: the cost model chooses per operation)")
+      .def_readwrite("levels", &CommOptions::levels, "with algo rabenseifner: its halvings (0: all)");
 
 #ifdef TORCHRING_WITH_NCCL
   using torchring::NcclComm;
@@ -290,6 +291,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("allreduce_algorithm", &Communicator::allreduceAlgoOf, py::arg("tensor"))
       .def_property("algo", &Communicator::forcedAlgo, &Communicator::setForcedAlgo,
                     "the forced algorithm among hosts (ALGOS index, 0: auto); set only between operations")
+      .def_property("levels", &Communicator::forcedLevels, &Communicator::setForcedLevels,
+                    "with the forced algorithm rabenseifner: its halvings (0: all); set only between operations")
       .def_property_readonly("link_cost",
                              [](const Communicator& c) {
                                const auto& cost = c.linkCost();

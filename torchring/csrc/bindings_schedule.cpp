@@ -21,6 +21,23 @@ Algo algoNamed(const std::string& name) {
                         "'; expected auto, ring, doubling, rabenseifner, tree or bruck");
 }
 
+// "rabenseifner:2" -> {Rabenseifner, 2}; any other word -> {that algorithm, 0}.
+AllreduceChoice choiceNamed(const std::string& name) {
+  const size_t colon = name.find(':');
+  if (colon == std::string::npos) return {algoNamed(name), 0};
+  const Algo algo = algoNamed(name.substr(0, colon));
+  int levels = 0;
+  try {
+    levels = std::stoi(name.substr(colon + 1));
+  } catch (const std::exception&) {
+    levels = 0;
+  }
+  if (algo != Algo::Rabenseifner || levels < 1) {
+    throw py::value_error("'" + name + "': only rabenseifner takes a count of halvings (rabenseifner:K, K >= 1)");
+  }
+  return {algo, levels};
+}
+
 py::list ranges(const std::vector<Range>& rs) {
   py::list out;
   for (const Range& r : rs) out.append(py::make_tuple(r.first, r.count));
@@ -64,10 +81,11 @@ void bindSchedules(py::module_& m) {
       "allreduce_schedule",
       [](const std::string& algo, int members, int me, size_t count) {
         checkMember(members, me);
-        return toPython(allreduceSchedule(algoNamed(algo), members, me, count));
+        const AllreduceChoice c = choiceNamed(algo);
+        return toPython(allreduceSchedule(c.algo, members, me, count, c.levels));
       },
       py::arg("algo"), py::arg("members"), py::arg("me"), py::arg("count"),
-      "member `me`'s steps of an allreduce of `count` elements (units: elements)");
+      "member `me`'s steps of an allreduce of `count` elements (units: elements; \"rabenseifner:K\": K halvings)");
   m.def(
       "reduce_scatter_schedule",
       [](int members, int me, const std::vector<std::vector<std::pair<size_t, size_t>>>& blocks) {
@@ -113,7 +131,8 @@ void bindSchedules(py::module_& m) {
   m.def(
       "allreduce_seconds",
       [](const std::string& algo, int members, size_t count, size_t esize, double alpha, double beta, double gamma) {
-        return allreduceSeconds(algoNamed(algo), members, count, esize, {alpha, beta, gamma});
+        const AllreduceChoice c = choiceNamed(algo);
+        return allreduceSeconds(c.algo, members, count, esize, {alpha, beta, gamma}, c.levels);
       },
       py::arg("algo"), py::arg("members"), py::arg("count"), py::arg("esize"), py::arg("alpha"), py::arg("beta"),
       py::arg("gamma"), "the cost model's seconds for the slowest member");
@@ -122,8 +141,9 @@ void bindSchedules(py::module_& m) {
       [](const std::string& kind, const std::string& algo, int members, int me, size_t count, size_t unitBytes,
          double alpha, double beta, double gamma) {
         checkMember(members, me);
-        Schedule s = kind == "allreduce" ? allreduceSchedule(algoNamed(algo), members, me, count)
-                                         : allgatherSchedule(algoNamed(algo), members, me);
+        const AllreduceChoice c = kind == "allreduce" ? choiceNamed(algo) : AllreduceChoice{algoNamed(algo), 0};
+        Schedule s = kind == "allreduce" ? allreduceSchedule(c.algo, members, me, count, c.levels)
+                                         : allgatherSchedule(c.algo, members, me);
         return scheduleSeconds(s, {unitBytes}, {alpha, beta, gamma});
       },
       py::arg("kind"), py::arg("algo"), py::arg("members"), py::arg("me"), py::arg("count"), py::arg("unit_bytes"),
@@ -132,10 +152,18 @@ void bindSchedules(py::module_& m) {
       "choose_allreduce",
       [](const std::string& forced, int members, size_t count, size_t esize, double alpha, double beta,
          double gamma) {
-        return std::string(algoName(chooseAllreduce(algoNamed(forced), members, count, esize, {alpha, beta, gamma})));
+        return choiceName(chooseAllreduce(choiceNamed(forced), members, count, esize, {alpha, beta, gamma}));
       },
       py::arg("forced"), py::arg("members"), py::arg("count"), py::arg("esize"), py::arg("alpha"), py::arg("beta"),
-      py::arg("gamma"), "the algorithm the engine runs for this allreduce");
+      py::arg("gamma"), "the algorithm the engine runs for this allreduce (\"rabenseifner:K\": K halvings)");
+  m.def(
+      "rides_on_headers",
+      [](const std::string& algo, size_t count, size_t esize) {
+        return ridesOnHeaders(choiceNamed(algo).algo, count, esize);
+      },
+      py::arg("algo"), py::arg("count"), py::arg("esize"),
+      "whether this allreduce rides on the header exchange (its first steps carry the headers)");
+  m.def("carried_limit_bytes", [] { return kCarriedLimitBytes; }, "the largest allreduce that rides on the header exchange");
 }
 
 }  // namespace torchring

@@ -14,7 +14,17 @@ from torchring._core import build as _build
 
 ENGINE = _build.load()
 MEMBERS = list(range(1, 18)) + [24, 31, 32, 33]
-ALLREDUCE_ALGOS = ["ring", "doubling", "rabenseifner"]
+# "rabenseifner:K": K halvings, then doubling on the window (all of them when K is more than there are).
+ALLREDUCE_ALGOS = ["ring", "doubling", "rabenseifner", "rabenseifner:1", "rabenseifner:2", "rabenseifner:3"]
+
+
+def _levels(algo: str, members: int) -> int:
+    """The halvings a Doubling or Rabenseifner schedule runs for `members` (schedule.h halvingsOf)."""
+    log2p2 = (1 << (members.bit_length() - 1)).bit_length() - 1
+    if algo == "doubling":
+        return 0
+    word, _, k = algo.partition(":")
+    return min(int(k), log2p2) if k else log2p2
 
 
 def _units(ranges: list[tuple[int, int]]) -> list[int]:
@@ -78,8 +88,11 @@ def test_allreduce_every_contribution_once(algo: str, members: int) -> None:
         for m in range(members):
             assert buffers[m] == [everyone] * count, f"{algo}, {members} members, {count} elements: member {m}"
         owned = [u for s in schedules for u in _units(s["owned"])]
-        if algo != "doubling":  # every unit is complete on exactly one member before the copies
-            assert sorted(owned) == list(range(count)), f"{algo}, {members}, {count}: owned {owned}"
+        # Before the copies every unit is complete on one member (ring, all halvings), or on
+        # the 2^(log2 p2 - K) core members that share a window after K halvings.
+        p2 = 1 << (members.bit_length() - 1)
+        copies = 1 if algo == "ring" or members == 1 else p2 >> _levels(algo, members)
+        assert sorted(owned) == sorted(list(range(count)) * copies), f"{algo}, {members}, {count}: owned {owned}"
 
 
 @pytest.mark.parametrize("members", MEMBERS)
@@ -114,6 +127,29 @@ def test_headers_ride_on_doubling(members: int) -> None:
         assert known == set(range(members)), f"{members} members: member {me} ends knowing {sorted(known)}"
 
 
+@pytest.mark.parametrize("algo", [a for a in ALLREDUCE_ALGOS if a != "ring"])
+@pytest.mark.parametrize("members", MEMBERS)
+def test_carried_schedules_begin_with_the_header_exchange(algo: str, members: int) -> None:
+    """Doubling and Rabenseifner (any halvings) ride on the header exchange
+    (transport/tcp/headers.cpp): each member's fold in and core steps are the header exchange's
+    steps with the same partners in the same order, and its fold out is the header exchange's
+    last step; only Rabenseifner's way back comes between."""
+    p2 = 1 << (members.bit_length() - 1)
+    for me in range(members):
+        head = ENGINE.allreduce_schedule("doubling", members, me, 1)["steps"]
+        plan = ENGINE.allreduce_schedule(algo, members, me, 40)["steps"]
+        folds = me < 2 * (members - p2)
+        core = len(head) - (1 if folds else 0)
+        pairs = [(s["send_to"], s["recv_from"]) for s in plan]
+        assert pairs[:core] == [(s["send_to"], s["recv_from"]) for s in head[:core]], f"{algo}, {members}: {me}"
+        if folds:
+            assert pairs[-1] == (head[-1]["send_to"], head[-1]["recv_from"]), f"{algo}, {members}: {me}"
+        coreless = folds and me % 2 == 0  # sits out: sends in, receives out
+        between = 0 if coreless else _levels(algo, members)
+        assert len(plan) == len(head) + between, f"{algo}, {members}: member {me}"
+        assert all(s["fold"] for s in plan[:core]) or coreless
+
+
 @pytest.mark.parametrize("members", MEMBERS)
 def test_depths(members: int) -> None:
     p2 = 1 << (members.bit_length() - 1)
@@ -124,6 +160,8 @@ def test_depths(members: int) -> None:
     assert steps["ring"] == 2 * (members - 1)
     assert steps["doubling"] == log2p2 + fold
     assert steps["rabenseifner"] == 2 * log2p2 + fold
+    for k in (1, 2, 3):
+        assert steps[f"rabenseifner:{k}"] == log2p2 + min(k, log2p2) + fold
     assert max(len(ENGINE.allgather_schedule("bruck", members, m)["steps"]) for m in range(members)) == ceil_log2
     for root in {0, members // 2, members - 1}:
         depth = [len(ENGINE.broadcast_schedule("tree", members, m, root, 100)["steps"]) for m in range(members)]
@@ -184,10 +222,16 @@ def test_choice_follows_size_and_host_count() -> None:
     alpha, beta, gamma = 50e-6, 1 / 1.25e9, 0.2e-9  # 10 Gbit/s
     choose = ENGINE.choose_allreduce
     assert choose("auto", 16, 2, 4, alpha, beta, gamma) == "doubling"
-    assert choose("auto", 16, 1 << 16, 4, alpha, beta, gamma) == "rabenseifner"
+    assert choose("auto", 16, 1 << 16, 4, alpha, beta, gamma).startswith("rabenseifner")
+    # Between the two: fewer halvings than all; with the data large, all of them.
+    assert choose("auto", 1024, 1 << 14, 4, 10e-6, beta, gamma) not in ("doubling", "rabenseifner", "ring")
+    assert choose("auto", 16, 1 << 22, 4, alpha, beta, gamma) == "rabenseifner"
+    assert choose("rabenseifner:2", 16, 2, 4, alpha, beta, gamma) == "rabenseifner:2"
     assert choose("auto", 2, 1 << 24, 4, alpha, beta, gamma) in ("ring", "rabenseifner")
     assert choose("ring", 16, 2, 4, alpha, beta, gamma) == "ring"
     assert choose("doubling", 16, 1 << 24, 4, alpha, beta, gamma) == "doubling"
     assert list(ENGINE.ALGOS)[:4] == ["auto", "ring", "doubling", "rabenseifner"]
     with pytest.raises(ValueError, match="no cross-host algorithm named 'tree-ish'"):
         choose("tree-ish", 4, 1, 4, alpha, beta, gamma)
+    with pytest.raises(ValueError, match="only rabenseifner takes a count of halvings"):
+        choose("doubling:2", 4, 1, 4, alpha, beta, gamma)

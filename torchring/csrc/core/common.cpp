@@ -174,7 +174,7 @@ bool OpHeader::matches(const OpHeader& o) const {
   if (spec.ragged) return rowElems == o.rowElems && sameShape(o, 1);
   if (count != o.count) return false;
   if (spec.reduces && op != o.op) return false;
-  if (algo != o.algo) return false;
+  if (algo != o.algo || levels != o.levels) return false;
   if (spec.rooted && root != o.root) return false;
   if (spec.scalable && (prescale != o.prescale || postscale != o.postscale)) return false;
   if (k == OpKind::ALLREDUCE_MANY) return rows == o.rows && shapesHash == o.shapesHash;

@@ -143,6 +143,7 @@ struct OpHeader {
   int32_t root = -1;         // broadcast, reduce, gather, scatter: the root rank
   uint8_t algo = 0;          // allreduce among several hosts: the Algo (schedule/schedule.h)
                              // this rank's cost model chose; every rank must choose alike
+  uint8_t levels = 0;        // ... and with Rabenseifner its halvings (0: all; schedule.h halvingsOf)
 
   // Fills ndim and dims from a tensor's sizes.
   void setShape(const int64_t* sizes, int n);

@@ -209,7 +209,9 @@ std::shared_ptr<CpuWork> Communicator::submit(OpKind kind, at::Tensor tensor, Re
   checkArgs(kind, tensor, op, root, args);
   Op item;
   item.header = makeHeader(kind, tensor, op, root, &args);
-  item.header.algo = static_cast<uint8_t>(allreduceAlgo(item.header));
+  const AllreduceChoice choice = allreduceAlgo(item.header);
+  item.header.algo = static_cast<uint8_t>(choice.algo);
+  item.header.levels = static_cast<uint8_t>(choice.levels);
   item.tensor = std::move(tensor);
   item.args = std::move(args);
   return enqueue(std::move(item), runInline);
@@ -384,7 +386,7 @@ at::Tensor Communicator::run(Op& op) {
   if (tcp_) {
     tcp_->setOp(header);
   }
-  if (numHosts() > 1 && carriedBytes(header, true) > 0) return runCarried(op);
+  if (numHosts() > 1 && !carriedPlan(header, hostIndex_).steps.empty()) return runCarried(op);
   std::vector<OpHeader> headers = exchangeHeaders(header, op.tensor);
   checkHeaders(headers);
   if (header.onGpu) {  // NCCL moves this operation's data
@@ -467,11 +469,12 @@ void Communicator::checkHeaders(const std::vector<OpHeader>& headers) const {
     std::ostringstream msg;
     OpHeader sameAlgo = other;
     sameAlgo.algo = first.algo;
+    sameAlgo.levels = first.levels;
     if (sameAlgo.matches(first)) {  // only the cross-host algorithm differs
       msg << rankText() << ": collective #" << first.seq << " (" << sentText(first)
           << "): ranks chose different algorithms among hosts: rank 0 "
-          << algoName(static_cast<Algo>(first.algo)) << ", rank " << r << " "
-          << algoName(static_cast<Algo>(other.algo))
+          << choiceName({static_cast<Algo>(first.algo), first.levels}) << ", rank " << r << " "
+          << choiceName({static_cast<Algo>(other.algo), other.levels})
           << "; set TORCHRING_ALGO to the same value on every rank (or leave it unset). Nothing was "
              "sent: this operation failed on every rank and the next collective runs normally";
       throw MismatchError(msg.str());

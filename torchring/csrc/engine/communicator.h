@@ -59,6 +59,8 @@ struct CommOptions {
   // The cross-host algorithm every operation must use (Algo; 0: the cost model chooses per
   // operation; TORCHRING_ALGO).
   int algo = 0;
+  // With algo Rabenseifner: its halvings (0: all; TORCHRING_ALGO=rabenseifner:K).
+  int levels = 0;
   // Random per-job token every TCP handshake must present.
   std::string secret;
   // For a group's communicator: put in front of its operations' failure messages, e.g.
@@ -108,6 +110,8 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // operation is queued, and on every rank alike (a difference is a named mismatch).
   void setForcedAlgo(int algo) { opt_.algo = algo; }
   int forcedAlgo() const { return opt_.algo; }
+  void setForcedLevels(int levels) { opt_.levels = levels; }
+  int forcedLevels() const { return opt_.levels; }
   // The algorithm among hosts an allreduce of `tensor` runs ("" on one host).
   std::string allreduceAlgoOf(const at::Tensor& tensor) const;
   const LinkCost& linkCost() const { return cost_; }
@@ -186,14 +190,15 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // Waits for point-to-point transfers a collective posted (rethrows the first failure).
   static void waitAll(const std::vector<std::shared_ptr<CpuWork>>& works);
   std::string failedMessage(const OpHeader& header) const;
-  Algo allreduceAlgo(const OpHeader& header) const;
+  AllreduceChoice allreduceAlgo(const OpHeader& header) const;
   // The op to fold with and the factor for the full sum: AVG folds as SUM, and its 1/size and
   // the postscale are applied once, to the full-precision sum.
   std::pair<ReduceOp, double> reductionOf(const OpHeader& header) const;
-  // fused.cpp: the leaders' header exchange and the small allreduces that ride on it.
-  static size_t carriedBytes(const OpHeader& header, bool partial);
+  // fused.cpp: the leaders' header exchange and the allreduces that ride on it. The
+  // schedule among hosts that `member`, whose header is `header`, carries (none: no steps).
+  Schedule carriedPlan(const OpHeader& header, int member) const;
   // `all` holds this host's headers; fills the others (carry: what this operation carries;
-  // its bytesOf is set here, from the headers, for every operation alike).
+  // its planOf is set here, from the headers, for every operation alike).
   void exchangeHostHeaders(std::vector<OpHeader>& all, const TcpLinks::Carry* carry);
   at::Tensor runCarried(Op& op);
   // Elements of each host's ranks' rows in a reduce_scatter (hierarchy.cpp).

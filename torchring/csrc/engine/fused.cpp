@@ -1,37 +1,35 @@
-// The header exchange among hosts, and the small allreduces that ride on it.
+// The header exchange among hosts, and the allreduces that ride on it.
 //
 // Every operation on several hosts starts with the leaders' header exchange
-// (TcpLinks::exchangeHeaders: recursive doubling, each message the headers its sender knows).
-// A small allreduce whose algorithm is Doubling carries its data in the same messages
-// (carriedBytes > 0): the host's ranks first reduce a copy of their tensors to the leader,
-// the leaders' doubling folds the data while it gathers the headers, and once every header
-// is known every rank checks them as usual. log2(hosts) steps in all instead of the header
-// exchange's and then the allreduce's. The rule that says how many bytes a message carries
-// is a function of its sender's header alone, which every receiver holds before the data, so
-// ranks that issued different operations still read every message whole and all fail with
-// the same CollectiveMismatchError; the work happens on a copy, so the caller's tensor is
-// left as it was then, as the contract says.
+// (TcpLinks::exchangeHeaders: recursive doubling whose messages summarize the headers their
+// sender knows). An allreduce whose algorithm is Doubling or Rabenseifner (any halvings) and
+// whose partial results are at most kCarriedLimitBytes carries its data in the same messages
+// (carriedPlan): the host's ranks first reduce a copy of their tensors to the leader, the
+// leaders' schedule runs its first steps inside the header exchange and the rest once every
+// header is known to agree, and every rank checks the headers as usual. Its steps are the
+// header exchange's instead of coming after them: log2(hosts) steps fewer. Which schedule a
+// member carries is a function of its header alone, which every receiver holds before the
+// data, so ranks that issued different operations still read every message whole and all
+// fail with the same CollectiveMismatchError; the work happens on a copy, so the caller's
+// tensor is left as it was then, as the contract says.
 #include "core/reduce.h"
 #include "engine/communicator.h"
 
 namespace torchring {
 
-size_t Communicator::carriedBytes(const OpHeader& header, bool partial) {
-  if (static_cast<OpKind>(header.kind) != OpKind::ALLREDUCE || header.onGpu ||
-      static_cast<Algo>(header.algo) != Algo::Doubling) {
-    return 0;
-  }
+Schedule Communicator::carriedPlan(const OpHeader& header, int member) const {
+  if (static_cast<OpKind>(header.kind) != OpKind::ALLREDUCE || header.onGpu) return {};
   const auto dtype = static_cast<DType>(header.dtype);
-  const size_t work = header.count * (isHalfFloat(dtype) ? 4 : elementSize(dtype));
-  if (work == 0 || work > kCarriedLimitBytes) return 0;
-  return partial ? work : header.count * elementSize(dtype);
+  const auto algo = static_cast<Algo>(header.algo);
+  if (!ridesOnHeaders(algo, header.count, isHalfFloat(dtype) ? 4 : elementSize(dtype))) return {};
+  return allreduceSchedule(algo, numHosts(), member, header.count, header.levels);
 }
 
 void Communicator::exchangeHostHeaders(std::vector<OpHeader>& all, const TcpLinks::Carry* carry) {
   if (isLeader()) {
     // Without a carry this operation carries nothing: others' data is read and dropped.
     TcpLinks::Carry what = carry ? *carry : TcpLinks::Carry();
-    what.bytesOf = carriedBytes;
+    what.planOf = [this](const OpHeader& header, int member) { return carriedPlan(header, member); };
     tcp_->exchangeHeaders(all, opt_.hosts, what);
     if (shm_) shm_->publishAllHeaders(all);
   } else {
@@ -48,9 +46,7 @@ at::Tensor Communicator::runCarried(Op& op) {
   bool localOk = true;  // the same verdict on every rank of the host
   for (int r : local) localOk = localOk && all[r].matches(all[local[0]]);
   const auto dtype = static_cast<DType>(header.dtype);
-  const auto reduction = reductionOf(header);  // named: the lambdas below capture them
-  const ReduceOp rop = reduction.first;
-  const double scale = reduction.second;
+  const auto [rop, scale] = reductionOf(header);
   const size_t count = header.count;
   at::Tensor copy = op.tensor.clone();
   char* data = static_cast<char*>(copy.data_ptr());
@@ -69,20 +65,10 @@ at::Tensor Communicator::runCarried(Op& op) {
     widenToFloat(hostSum.data(), data, count, dtype);
   }
   TcpLinks::Carry carry;
-  carry.work = half ? reinterpret_cast<char*>(hostSum.data()) : data;
-  carry.out = data;
-  const DType workType = half ? DType::F32 : dtype;
-  carry.fold = [&](char* work, const char* received) {
-    const void* srcs[2] = {work, received};
-    reduceInto(work, nullptr, srcs, 2, count, workType, rop);
-  };
-  carry.finish = [&] {
-    if (half) {
-      narrowFromFloat(data, hostSum.data(), count, dtype, scale);
-    } else if (scale != 1.0) {
-      scaleInPlace(data, count, dtype, scale);
-    }
-  };
+  carry.data = data;
+  carry.hostSum = half ? hostSum.data() : nullptr;
+  carry.op = rop;
+  carry.scale = scale;
   exchangeHostHeaders(all, &carry);
   checkHeaders(all);
   if (shm_) shm_->broadcast(data, count * elementSize(dtype), 0);

@@ -25,7 +25,7 @@ void Communicator::allreduce(char* data, const OpHeader& header,
   }
   // Several hosts: reduce within the host, the header's algorithm among the leaders (which
   // applies `scale` once), then each leader hands the result to its host.
-  const auto algo = static_cast<Algo>(header.algo);
+  const AllreduceChoice algo{static_cast<Algo>(header.algo), header.levels};
   if (isHalfFloat(dtype) && shm_) {
     std::vector<float> hostSum(isLeader() ? count : 0);
     shm_->reduceToLeader(data, count, dtype, op, hostSum.data());
@@ -150,14 +150,14 @@ at::Tensor Communicator::allgather(const at::Tensor& input, const std::vector<Op
 // none): TORCHRING_ALGO's, or the cost model's for this size; for reduce_scatter, Ring means
 // the ring reduce-scatter (hierarchy.cpp). 16-bit floats fold float32 partial sums, so they
 // cost as 4-byte elements.
-Algo Communicator::allreduceAlgo(const OpHeader& header) const {
+AllreduceChoice Communicator::allreduceAlgo(const OpHeader& header) const {
   const auto kind = static_cast<OpKind>(header.kind);
   const bool reducesAcrossHosts = kind == OpKind::ALLREDUCE || kind == OpKind::ALLREDUCE_MANY ||
                                   kind == OpKind::REDUCE_SCATTER || kind == OpKind::REDUCE;
-  if (numHosts() == 1 || !reducesAcrossHosts || header.onGpu) return Algo::Auto;
+  if (numHosts() == 1 || !reducesAcrossHosts || header.onGpu) return {};
   const auto dtype = static_cast<DType>(header.dtype);
   const size_t esize = isHalfFloat(dtype) ? 4 : elementSize(dtype);
-  const auto forced = static_cast<Algo>(opt_.algo);
+  const AllreduceChoice forced{static_cast<Algo>(opt_.algo), opt_.levels};
   if (kind == OpKind::REDUCE_SCATTER) {
     std::vector<size_t> blockBytes;
     for (const auto& block : hostBlocks(header)) {
@@ -165,7 +165,7 @@ Algo Communicator::allreduceAlgo(const OpHeader& header) const {
       for (const Range& r : block) elements += r.count;
       blockBytes.push_back(elements * esize);
     }
-    return chooseReduceScatter(forced, header.count, esize, blockBytes, cost_);
+    return chooseReduceScatter(forced.algo, forced.levels, header.count, esize, blockBytes, cost_);
   }
   return chooseAllreduce(forced, numHosts(), header.count, esize, cost_);
 }
@@ -173,8 +173,8 @@ Algo Communicator::allreduceAlgo(const OpHeader& header) const {
 std::string Communicator::allreduceAlgoOf(const at::Tensor& tensor) const {
   DType dtype;
   if (!engineDType(tensor.scalar_type(), &dtype)) return "";
-  const Algo algo = allreduceAlgo(makeHeader(OpKind::ALLREDUCE, tensor, ReduceOp::SUM, -1));
-  return algo == Algo::Auto ? "" : algoName(algo);
+  const AllreduceChoice choice = allreduceAlgo(makeHeader(OpKind::ALLREDUCE, tensor, ReduceOp::SUM, -1));
+  return choice.algo == Algo::Auto ? "" : choiceName(choice);
 }
 
 std::pair<ReduceOp, double> Communicator::reductionOf(const OpHeader& header) const {

@@ -9,13 +9,18 @@
 // buffer with core member c ^ 2^k and folds what it receives. log2(p2) steps of the whole
 // buffer: the fewest steps, so the choice for small messages.
 //
-// Rabenseifner: the core's buffer is split into p2 blocks (chunkOf). Recursive halving: with
-// `mask` from p2/2 down to 1, core member c keeps the half of its window [lo, hi) of blocks
-// that has c's bit `mask` (the lower half when it is clear), sends the other half to c ^ mask
-// and folds the partner's copy of the kept half; after log2(p2) steps it owns block c.
-// Recursive doubling then spreads the blocks back: with `mask` from 1 up to p2/2, c sends its
-// window (the mask blocks that share c's high bits) to c ^ mask and receives the partner's.
-// 2·log2(p2) steps moving 2(p2 - 1)/p2 of the buffer in all: log-depth and bandwidth-optimal.
+// Rabenseifner (`levels` halvings, all log2(p2) of them unless fewer are asked for): the core's
+// buffer is split into p2 blocks (chunkOf) and core member c holds a window [lo, hi) of them,
+// all p2 at first. Recursive halving: for each of the first `levels` masks (1, 2, 4, ...), c
+// keeps the lower half of its window when its bit `mask` is clear (else the upper half),
+// sends the other half to c ^ mask and folds the partner's copy of the kept half. The
+// remaining masks swap and fold the whole window, as Doubling does (with all levels there
+// are none and the window is one block). The window is then complete (`owned`); the halvings
+// are undone in reverse order: c sends its window to c ^ mask and receives the partner's
+// half of the window that halving split. With all levels: 2·log2(p2) steps moving
+// 2(p2 - 1)/p2 of the buffer, log-depth and bandwidth-optimal; with k levels the middle
+// log2(p2) - k steps each move the p2/2^k-block window: fewer steps than all levels, fewer
+// bytes than Doubling (halving(0)), the middle the cost model can pick.
 #include <stdexcept>
 
 #include "schedule/schedule.h"
@@ -107,43 +112,39 @@ void foldStep(Schedule& s, int members, int me, size_t count, bool in) {
   s.steps.push_back(step);
 }
 
-Schedule doubling(int members, int me, size_t count) {
+// Doubling is halving(0), Rabenseifner halving(levels); both keep Doubling's partners in
+// Doubling's order (mask 1, 2, 4, ...), so the first steps of every one of them are the
+// header exchange's (transport/tcp/headers.cpp) and can carry it.
+Schedule halving(Algo algo, int members, int me, size_t count, int levels) {
   Schedule s;
-  s.algo = Algo::Doubling;
+  s.algo = algo;
   const int p2 = powerOfTwoBelow(members), c = coreOf(members, me);
   foldStep(s, members, me, count, true);
   if (c >= 0) {
-    for (int mask = 1; mask < p2; mask <<= 1) {
-      const int partner = memberOf(members, c ^ mask);
-      s.steps.push_back({partner, partner, {whole(count)}, {whole(count)}, true});
-    }
-    s.owned = {whole(count)};
-  }
-  foldStep(s, members, me, count, false);
-  return s;
-}
-
-Schedule rabenseifner(int members, int me, size_t count) {
-  Schedule s;
-  s.algo = Algo::Rabenseifner;
-  const int p2 = powerOfTwoBelow(members), c = coreOf(members, me);
-  foldStep(s, members, me, count, true);
-  if (c >= 0) {
-    int lo = 0, hi = p2;
-    for (int mask = p2 / 2; mask >= 1; mask /= 2) {
+    std::vector<std::pair<int, int>> windows;  // the window [lo, hi) each halving split
+    int lo = 0, hi = p2, mask = 1;
+    for (int level = 0; level < levels; ++level, mask <<= 1) {
       const int partner = memberOf(members, c ^ mask), mid = lo + (hi - lo) / 2;
       const bool lower = (c & mask) == 0;
       const Range keep = lower ? blocks(count, p2, lo, mid) : blocks(count, p2, mid, hi);
       const Range give = lower ? blocks(count, p2, mid, hi) : blocks(count, p2, lo, mid);
       s.steps.push_back({partner, partner, {give}, {keep}, true});
+      windows.push_back({lo, hi});
       (lower ? hi : lo) = mid;
     }
-    s.owned = {chunkOf(count, p2, c)};
-    for (int mask = 1; mask < p2; mask <<= 1) {
+    const Range window = blocks(count, p2, lo, hi);
+    for (; mask < p2; mask <<= 1) {
       const int partner = memberOf(members, c ^ mask);
-      const int mine = c & ~(mask - 1), theirs = (c ^ mask) & ~(mask - 1);
-      s.steps.push_back({partner, partner, {blocks(count, p2, mine, mine + mask)},
-                         {blocks(count, p2, theirs, theirs + mask)}, false});
+      s.steps.push_back({partner, partner, {window}, {window}, true});
+    }
+    s.owned = {window};
+    for (int level = levels - 1; level >= 0; --level) {
+      const int bit = 1 << level, partner = memberOf(members, c ^ bit);
+      const int wlo = windows[level].first, whi = windows[level].second, mid = wlo + (whi - wlo) / 2;
+      const bool lower = (c & bit) == 0;
+      const Range mine = lower ? blocks(count, p2, wlo, mid) : blocks(count, p2, mid, whi);
+      const Range theirs = lower ? blocks(count, p2, mid, whi) : blocks(count, p2, wlo, mid);
+      s.steps.push_back({partner, partner, {mine}, {theirs}, false});
     }
   }
   foldStep(s, members, me, count, false);
@@ -167,13 +168,25 @@ Schedule reduceScatterSchedule(int members, int me, const std::vector<std::vecto
   return s;
 }
 
-Schedule allreduceSchedule(Algo algo, int members, int me, size_t count) {
+int coreLevels(int members) {
+  int levels = 0;
+  while ((2 << levels) <= members) ++levels;
+  return levels;
+}
+
+int halvingsOf(Algo algo, int members, int levels) {
+  if (algo != Algo::Rabenseifner) return 0;
+  const int all = coreLevels(members);
+  return levels <= 0 || levels > all ? all : levels;
+}
+
+Schedule allreduceSchedule(Algo algo, int members, int me, size_t count, int levels) {
   if (members < 1 || me < 0 || me >= members) throw std::invalid_argument("allreduceSchedule: bad member");
   if (members == 1) return Schedule{algo, {}, {whole(count)}};
   switch (algo) {
     case Algo::Ring: return ring(members, me, count);
-    case Algo::Doubling: return doubling(members, me, count);
-    case Algo::Rabenseifner: return rabenseifner(members, me, count);
+    case Algo::Doubling:
+    case Algo::Rabenseifner: return halving(algo, members, me, count, halvingsOf(algo, members, levels));
     default: throw std::invalid_argument(std::string("allreduceSchedule: no allreduce named ") + algoName(algo));
   }
 }

@@ -3,8 +3,8 @@
 // (when rem > 0) costs the odd member of a pair (alpha + n·beta + n·gamma) + (alpha + n·beta).
 //   ring:          2(members - 1) steps of one chunk, the first members - 1 folding it
 //   doubling:      fold + log2(p2) steps of the whole buffer, each folded
-//   rabenseifner:  fold + log2(p2) halving steps (n/2, n/4, ... sent and folded) and as many
-//                  doubling steps back (..., n/4, n/2 sent)
+//   rabenseifner:  fold + k halving steps (n/2, n/4, ... sent and folded), log2(p2) - k steps
+//                  of the n/2^k window (sent and folded), k steps back (..., n/4, n/2 sent)
 // A chunk or block is the largest one (count split as chunkOf), so uneven splits cost what
 // the slowest member pays.
 #include "schedule/cost.h"
@@ -34,30 +34,29 @@ double scheduleSeconds(const Schedule& schedule, const std::vector<size_t>& unit
   return seconds;
 }
 
-double allreduceSeconds(Algo algo, int members, size_t count, size_t esize, const LinkCost& cost) {
+double allreduceSeconds(Algo algo, int members, size_t count, size_t esize, const LinkCost& cost, int levels) {
   if (members <= 1 || count == 0) return 0;
   const double a = cost.alpha, b = cost.beta, g = cost.gamma;
-  const int p2 = powerOfTwoBelow(members);
+  const int p2 = powerOfTwoBelow(members), logp2 = coreLevels(members);
   const double n = static_cast<double>(count * esize);
   const double fold = members > p2 ? (a + n * b + n * g) + (a + n * b) : 0.0;
-  int logp2 = 0;
-  while ((1 << logp2) < p2) ++logp2;
   switch (algo) {
     case Algo::Ring: {
       const double chunk = static_cast<double>(chunkOf(count, members, 0).count * esize);
       return (members - 1) * (2 * a + 2 * chunk * b + chunk * g);
     }
     case Algo::Doubling:
-      return fold + logp2 * (a + n * b + n * g);
     case Algo::Rabenseifner: {
-      // Halving step k (from the top) moves the largest window of p2 >> (k + 1) blocks.
+      // Halving k moves the largest window of p2 >> (k + 1) blocks there and back.
+      const int k = halvingsOf(algo, members, levels);
+      const double block = static_cast<double>(chunkOf(count, p2, 0).count * esize);
       double halves = 0;
-      for (int k = 0; k < logp2; ++k) {
-        const int window = p2 >> (k + 1);
-        const double w = static_cast<double>(chunkOf(count, p2, 0).count * window * esize);
+      for (int level = 0; level < k; ++level) {
+        const double w = block * (p2 >> (level + 1));
         halves += 2 * a + 2 * w * b + w * g;
       }
-      return fold + halves;
+      const double window = k == 0 ? n : block * (p2 >> k);
+      return fold + halves + (logp2 - k) * (a + window * b + window * g);
     }
     default:
       throw std::invalid_argument(std::string("allreduceSeconds: no allreduce named ") + algoName(algo));
@@ -92,17 +91,34 @@ double headerSeconds(int members, const LinkCost& cost) {
   return members <= 1 ? 0 : doublingSteps(members) * cost.alpha;
 }
 
-Algo chooseAllreduce(Algo forced, int members, size_t count, size_t esize, const LinkCost& cost) {
-  if (forced != Algo::Auto) return forced;
+bool ridesOnHeaders(Algo algo, size_t count, size_t esize) {
+  const size_t work = count * esize;
+  return (algo == Algo::Doubling || algo == Algo::Rabenseifner) && work > 0 && work <= kCarriedLimitBytes;
+}
+
+AllreduceChoice chooseAllreduce(AllreduceChoice forced, int members, size_t count, size_t esize,
+                                const LinkCost& cost) {
+  if (forced.algo != Algo::Auto) return forced;
   const double header = headerSeconds(members, cost);
-  const bool carried = count * esize <= kCarriedLimitBytes;
-  Algo best = Algo::Ring;
-  double bestSeconds = allreduceSeconds(Algo::Ring, members, count, esize, cost) + header;
-  for (Algo a : {Algo::Rabenseifner, Algo::Doubling}) {
-    const double s = allreduceSeconds(a, members, count, esize, cost) + (a == Algo::Doubling && carried ? 0 : header);
-    if (s < bestSeconds) best = a, bestSeconds = s;
-  }
+  auto seconds = [&](Algo a, int levels) {
+    return allreduceSeconds(a, members, count, esize, cost, levels) + (ridesOnHeaders(a, count, esize) ? 0 : header);
+  };
+  AllreduceChoice best{Algo::Ring, 0};
+  double bestSeconds = seconds(Algo::Ring, 0);
+  auto consider = [&](Algo a, int levels) {
+    const double s = seconds(a, levels);
+    if (s < bestSeconds) best = {a, levels}, bestSeconds = s;
+  };
+  consider(Algo::Rabenseifner, 0);
+  for (int k = 1; k < coreLevels(members); ++k) consider(Algo::Rabenseifner, k);
+  consider(Algo::Doubling, 0);
   return best;
+}
+
+std::string choiceName(AllreduceChoice choice) {
+  std::string name = algoName(choice.algo);
+  if (choice.algo == Algo::Rabenseifner && choice.levels > 0) name += ":" + std::to_string(choice.levels);
+  return name;
 }
 
 double reduceScatterSeconds(const std::vector<size_t>& blockBytes, const LinkCost& cost) {
@@ -112,14 +128,16 @@ double reduceScatterSeconds(const std::vector<size_t>& blockBytes, const LinkCos
   return static_cast<double>(members - 1) * (cost.alpha + largest * (cost.beta + cost.gamma));
 }
 
-Algo chooseReduceScatter(Algo forced, size_t count, size_t esize, const std::vector<size_t>& blockBytes,
-                         const LinkCost& cost) {
+AllreduceChoice chooseReduceScatter(Algo forced, int levels, size_t count, size_t esize,
+                                    const std::vector<size_t>& blockBytes, const LinkCost& cost) {
   const int members = static_cast<int>(blockBytes.size());
-  if (forced == Algo::Ring) return Algo::Ring;
-  const Algo whole = chooseAllreduce(forced, members, count, esize, cost);
+  if (forced == Algo::Ring) return {Algo::Ring, 0};
+  const AllreduceChoice whole = chooseAllreduce({forced, levels}, members, count, esize, cost);
   if (forced != Algo::Auto) return whole;
-  return reduceScatterSeconds(blockBytes, cost) <= allreduceSeconds(whole, members, count, esize, cost) ? Algo::Ring
-                                                                                                       : whole;
+  return reduceScatterSeconds(blockBytes, cost) <=
+                 allreduceSeconds(whole.algo, members, count, esize, cost, whole.levels)
+             ? AllreduceChoice{Algo::Ring, 0}
+             : whole;
 }
 
 Algo chooseAllgather(Algo forced, const std::vector<size_t>& blockBytes, const LinkCost& cost) {

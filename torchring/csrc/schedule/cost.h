@@ -16,8 +16,18 @@
 namespace torchring {
 
 // The largest allreduce (its partial results' bytes) that rides on the header exchange
-// (engine/fused.cpp) when its algorithm is Doubling: it then costs no header exchange of its own.
-inline constexpr size_t kCarriedLimitBytes = 256 << 10;
+// (engine/fused.cpp) when its algorithm is Doubling or Rabenseifner: it then costs no header
+// exchange of its own (its first steps carry the headers; it works on a copy that large).
+inline constexpr size_t kCarriedLimitBytes = 16 << 20;
+
+// An allreduce's algorithm among hosts and, for Rabenseifner, its halvings (0: all of them;
+// schedule.h halvingsOf). Both are in the operation's header and must agree on every rank.
+struct AllreduceChoice {
+  Algo algo = Algo::Auto;
+  int levels = 0;
+};
+// "ring", "doubling", "rabenseifner", "rabenseifner:2": the words TORCHRING_ALGO takes.
+std::string choiceName(AllreduceChoice choice);
 
 struct LinkCost {
   double alpha = 50e-6;  // seconds one step costs whatever its size (latency, wake-ups, calls)
@@ -28,7 +38,8 @@ struct LinkCost {
 // Seconds `schedule` takes on its member: the sum of its steps' costs.
 double scheduleSeconds(const Schedule& schedule, const std::vector<size_t>& unitBytes, const LinkCost& cost);
 // The same in closed form for the slowest member: allreduce of count elements of esize bytes.
-double allreduceSeconds(Algo algo, int members, size_t count, size_t esize, const LinkCost& cost);
+double allreduceSeconds(Algo algo, int members, size_t count, size_t esize, const LinkCost& cost,
+                        int levels = 0);
 // Allgather of blocks of these byte sizes (one per member), Ring or Bruck.
 double allgatherSeconds(Algo algo, const std::vector<size_t>& blockBytes, const LinkCost& cost);
 // Broadcast of `bytes` from one member, Ring (segment-byte pieces) or Tree.
@@ -42,13 +53,18 @@ double headerSeconds(int members, const LinkCost& cost);
 
 // The cheapest, or `forced` when it is not Auto (Ring forces the ring on every operation;
 // Doubling and Rabenseifner force that allreduce and leave allgather and broadcast to the model).
-// An allreduce's cost counts the header exchange, which a small Doubling one rides on.
-Algo chooseAllreduce(Algo forced, int members, size_t count, size_t esize, const LinkCost& cost);
+// An allreduce's cost counts the header exchange, which Doubling and Rabenseifner ride on up
+// to kCarriedLimitBytes (ridesOnHeaders). Rabenseifner is weighed with every count of halvings.
+AllreduceChoice chooseAllreduce(AllreduceChoice forced, int members, size_t count, size_t esize,
+                                const LinkCost& cost);
+// True when an allreduce of `count` elements of `esize` bytes (float32 for 16-bit floats)
+// under `algo` rides on the header exchange (engine/fused.cpp).
+bool ridesOnHeaders(Algo algo, size_t count, size_t esize);
 // Reduce-scatter among hosts: Algo::Ring for the ring reduce-scatter (reduceScatterSchedule),
 // else the allreduce algorithm whose result each host slices (cheaper for small sizes, where
 // log-depth steps win). `count` and `esize` describe the whole tensor, blockBytes the hosts' parts.
-Algo chooseReduceScatter(Algo forced, size_t count, size_t esize, const std::vector<size_t>& blockBytes,
-                         const LinkCost& cost);
+AllreduceChoice chooseReduceScatter(Algo forced, int levels, size_t count, size_t esize,
+                                    const std::vector<size_t>& blockBytes, const LinkCost& cost);
 Algo chooseAllgather(Algo forced, const std::vector<size_t>& blockBytes, const LinkCost& cost);
 Algo chooseBroadcast(Algo forced, int members, size_t bytes, size_t segment, const LinkCost& cost);
 

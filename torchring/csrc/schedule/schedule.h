@@ -68,8 +68,13 @@ int memberOf(int members, int core);    // the member with core index `core`
 // The longest member's step count under Doubling: log2(p2), and two more with the fold.
 int doublingSteps(int members);
 
-// Ring, Doubling or Rabenseifner, for `count` elements.
-Schedule allreduceSchedule(Algo algo, int members, int me, size_t count);
+// log2(powerOfTwoBelow(members)): the core's halvings (Rabenseifner's levels) and doublings.
+int coreLevels(int members);
+// The halvings Rabenseifner runs when `levels` are asked for: all of them for 0 (or more than
+// there are), else `levels`; 0 for other algorithms.
+int halvingsOf(Algo algo, int members, int levels);
+// Ring, Doubling or Rabenseifner (with `levels` halvings, halvingsOf), for `count` elements.
+Schedule allreduceSchedule(Algo algo, int members, int me, size_t count, int levels = 0);
 // Reduce-scatter around the ring: member m ends owning `blocks[m]` (element ranges, any
 // sizes, member blocks disjoint) reduced over every member; nothing is spread after.
 Schedule reduceScatterSchedule(int members, int me, const std::vector<std::vector<Range>>& blocks);

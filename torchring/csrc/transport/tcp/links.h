@@ -65,7 +65,7 @@ class TcpLinks {
   // The collectives over raw memory. allreduce: in place, result scaled by `scale`; for
   // 16-bit floats the folds run on float32 partial sums (`hostSum` when the caller has this
   // host's sum in float32, else `data` widened) and the result is rounded to 16 bits once.
-  void allreduce(Algo algo, char* data, size_t count, DType dtype, ReduceOp op, double scale,
+  void allreduce(AllreduceChoice algo, char* data, size_t count, DType dtype, ReduceOp op, double scale,
                  float* hostSum = nullptr);
   // Reduce-scatter around the ring (reduceScatterSchedule): member m ends with blocks[m]
   // reduced and scaled (or rounded, as allreduce); the rest of `data` is left undefined.
@@ -75,24 +75,25 @@ class TcpLinks {
   // blocks[m] = the spans of member m; this member's block is already in place.
   void allgather(Algo algo, const std::vector<std::vector<Span>>& blocks);
 
-  // What an operation's header exchange carries besides the headers (engine/fused.cpp).
+  // The allreduce an operation's header exchange carries (engine/fused.cpp), for this
+  // member's own header (its count and dtype), and the rule for every member's.
   struct Carry {
-    char* work = nullptr;  // this member's partial result: what fold steps send and fold into
-    char* out = nullptr;   // the result: what copy steps send and receive
-    // Bytes a member whose header is `header` carries in a fold step (partial) or a copy
-    // step. The header arrives before the data, so every member computes the same from the
-    // same header and the streams stay aligned whatever the operations are. Empty: nothing.
-    std::function<size_t(const OpHeader& header, bool partial)> bytesOf;
-    std::function<void(char* work, const char* received)> fold;  // folds a partial result in
-    std::function<void()> finish;  // the fold steps are over: make `out` from `work`
+    char* data = nullptr;      // this host's sum, reduced in place into the result
+    float* hostSum = nullptr;  // 16-bit floats: the float32 partial sums the folds run on
+    ReduceOp op = ReduceOp::SUM;
+    double scale = 1.0;        // applied once to the result (AVG's 1/size, the postscale)
+    // The allreduce schedule a member whose header is `header` carries (no steps: it carries
+    // nothing). Every member computes the same from the same header, which arrives before
+    // the data, so the streams stay aligned whatever the operations are.
+    std::function<Schedule(const OpHeader& header, int member)> planOf;
   };
   // Every rank's header to every member: recursive doubling among the members (schedule
   // Doubling, with its fold in and out) whose messages carry a summary of the headers their
-  // sender knows, then what `carry` says its sender carries (headers.cpp says how). all[r]:
-  // rank r's header, filled for this member's ranks (ranksOf[member], its leader first); on
-  // return every entry is filled (another host's ranks with this leader's own header when
-  // every header in the job is sameForAll with it). Returns true when every header was
-  // sameForAll and every carried part had this member's own size and was folded or placed.
+  // sender knows, and the allreduce `carry` names (headers.cpp says how). all[r]: rank r's
+  // header, filled for this member's ranks (ranksOf[member], its leader first); on return
+  // every entry is filled (another host's ranks with this leader's own header when every
+  // header in the job is sameForAll with it). Returns true when every header was sameForAll
+  // and every carried part had this member's own size and was folded or placed.
   bool exchangeHeaders(std::vector<OpHeader>& all, const std::vector<std::vector<int>>& ranksOf,
                        const Carry& carry);
 
@@ -122,6 +123,13 @@ class TcpLinks {
   // steps.cpp: `hostSum`, or for 16-bit floats without one `data` widened to float32 (what
   // the folds run on); nullptr for other dtypes.
   float* partialSums(char* data, size_t count, DType dtype, float* hostSum);
+  // steps.cpp: folds bytes [lo, hi) of `received` (a receive stream of `ranges` in order,
+  // units of `type`) into `work` at those ranges.
+  static void foldRanges(char* work, const std::vector<Range>& ranges, const char* received, DType type,
+                         ReduceOp op, size_t lo, size_t hi);
+  // steps.cpp: the fold steps are over: scale `owned` of `data` once, or round it from hostSum.
+  static void finishOwned(const std::vector<Range>& owned, char* data, const float* hostSum, DType dtype,
+                          double scale);
   // steps.cpp: any allreduce schedule, one step at a time, folding as bytes arrive.
   void stepAllreduce(const Schedule& schedule, char* data, size_t count, DType dtype, ReduceOp op,
                      double scale, float* hostSum);

@@ -32,6 +32,33 @@ std::vector<Span> spansOf(const std::vector<Range>& ranges, char* base, size_t u
 
 }  // namespace
 
+void TcpLinks::foldRanges(char* work, const std::vector<Range>& ranges, const char* received, DType type, ReduceOp op,
+                          size_t lo, size_t hi) {
+  const size_t esize = elementSize(type);
+  size_t at = 0;
+  for (const Range& r : ranges) {
+    const size_t len = r.count * esize, from = std::max(lo, at), to = std::min(hi, at + len);
+    if (to > from) {
+      char* target = work + r.first * esize + (from - at);
+      const void* srcs[2] = {target, received + from};
+      reduceInto(target, nullptr, srcs, 2, (to - from) / esize, type, op);
+    }
+    at += len;
+  }
+}
+
+void TcpLinks::finishOwned(const std::vector<Range>& owned, char* data, const float* hostSum, DType dtype,
+                           double scale) {
+  const size_t outSize = elementSize(dtype);
+  for (const Range& r : owned) {
+    if (isHalfFloat(dtype)) {
+      narrowFromFloat(data + r.first * outSize, hostSum + r.first, r.count, dtype, scale);
+    } else if (scale != 1.0) {
+      scaleInPlace(data + r.first * outSize, r.count, dtype, scale);
+    }
+  }
+}
+
 float* TcpLinks::partialSums(char* data, size_t count, DType dtype, float* hostSum) {
   if (!isHalfFloat(dtype) || hostSum != nullptr) return hostSum;
   hostSum_.resize(count);
@@ -39,12 +66,13 @@ float* TcpLinks::partialSums(char* data, size_t count, DType dtype, float* hostS
   return hostSum_.data();
 }
 
-void TcpLinks::allreduce(Algo algo, char* data, size_t count, DType dtype, ReduceOp op, double scale,
+void TcpLinks::allreduce(AllreduceChoice algo, char* data, size_t count, DType dtype, ReduceOp op, double scale,
                          float* hostSum) {
   if (members() == 1 || count == 0) return;
   hostSum = partialSums(data, count, dtype, hostSum);
-  if (algo == Algo::Ring) return ringAllreduce(data, count, dtype, op, scale, hostSum);
-  stepAllreduce(allreduceSchedule(algo, members(), opt_.member, count), data, count, dtype, op, scale, hostSum);
+  if (algo.algo == Algo::Ring) return ringAllreduce(data, count, dtype, op, scale, hostSum);
+  stepAllreduce(allreduceSchedule(algo.algo, members(), opt_.member, count, algo.levels), data, count, dtype, op,
+                scale, hostSum);
 }
 
 void TcpLinks::reduceScatter(char* data, size_t count, DType dtype, ReduceOp op, double scale,
@@ -63,13 +91,7 @@ void TcpLinks::stepAllreduce(const Schedule& schedule, char* data, size_t count,
   const size_t segBytes = std::max(esize, opt_.segmentBytes / esize * esize);
   bool finished = false;
   auto finish = [&] {  // the owned units are complete: scale or round them once
-    for (const Range& r : schedule.owned) {
-      if (half) {
-        narrowFromFloat(data + r.first * outSize, hostSum + r.first, r.count, dtype, scale);
-      } else if (scale != 1.0) {
-        scaleInPlace(data + r.first * outSize, r.count, dtype, scale);
-      }
-    }
+    finishOwned(schedule.owned, data, hostSum, dtype, scale);
     finished = true;
   };
   for (const Step& step : schedule.steps) {
@@ -84,16 +106,7 @@ void TcpLinks::stepAllreduce(const Schedule& schedule, char* data, size_t count,
     // Folds received bytes [folded, upTo) of the scratch into the ranges they belong to.
     size_t folded = 0;
     auto foldUpTo = [&](size_t upTo) {
-      size_t at = 0;
-      for (const Range& r : step.recv) {
-        const size_t len = r.count * esize, lo = std::max(folded, at), hi = std::min(upTo, at + len);
-        if (hi > lo) {
-          char* target = work + r.first * esize + (lo - at);
-          const void* srcs[2] = {target, scratch_.data() + lo};
-          reduceInto(target, nullptr, srcs, 2, (hi - lo) / esize, workType, op);
-        }
-        at += len;
-      }
+      foldRanges(work, step.recv, scratch_.data(), workType, op, folded, upTo);
       folded = std::max(folded, upTo);
     };
     const bool foldLate = overlaps(step.send, step.recv);
