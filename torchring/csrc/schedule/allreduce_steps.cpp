@@ -39,6 +39,15 @@ const char* algoName(Algo algo) {
   return "?";
 }
 
+bool rangesOverlap(const std::vector<Range>& a, const std::vector<Range>& b) {
+  for (const Range& x : a) {
+    for (const Range& y : b) {
+      if (x.count > 0 && y.count > 0 && x.first < y.first + y.count && y.first < x.first + x.count) return true;
+    }
+  }
+  return false;
+}
+
 Range chunkOf(size_t count, int parts, int i) {
   i = ((i % parts) + parts) % parts;
   const size_t base = count / parts, rem = count % parts, idx = static_cast<size_t>(i);

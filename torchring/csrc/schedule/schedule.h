@@ -57,6 +57,10 @@ struct Schedule {
   std::vector<Range> owned;  // allreduce: units complete after the last fold step
 };
 
+// True when some unit is in both (a step whose send and receive overlap must not fold into
+// units it has yet to send).
+bool rangesOverlap(const std::vector<Range>& a, const std::vector<Range>& b);
+
 // Element range of chunk `i` when `count` elements are split into `parts` chunks, the first
 // count % parts chunks one element longer.
 Range chunkOf(size_t count, int parts, int i);

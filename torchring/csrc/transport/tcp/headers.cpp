@@ -71,6 +71,7 @@ bool TcpLinks::exchangeHeaders(std::vector<OpHeader>& all, const std::vector<std
   char* work = half ? reinterpret_cast<char*>(carry.hostSum) : carry.data;
   const DType workType = half ? DType::F32 : dtype;
   const size_t foldUnit = elementSize(workType), copyUnit = elementSize(dtype);
+  const size_t segBytes = std::max(foldUnit, opt_.segmentBytes / foldUnit * foldUnit);
   auto spans = [](const std::vector<Range>& ranges, char* base, size_t unit) {
     std::vector<Span> out;
     for (const Range& r : ranges) out.push_back({base + r.first * unit, r.count * unit});
@@ -110,9 +111,26 @@ bool TcpLinks::exchangeHeaders(std::vector<OpHeader>& all, const std::vector<std
     }
     bool sized = false;
     bool same = true;
+    // A fold step whose send and receive do not overlap (a halving) folds whole segments as
+    // they arrive, as stepAllreduce does; one that swaps its window folds after its send.
+    const bool folding = mineStep && mineStep->fold && step.recvFrom >= 0;
+    const bool foldEarly = folding && !rangesOverlap(mineStep->send, mineStep->recv);
+    size_t folded = 0;
+    auto foldUpTo = [&](size_t upTo) {
+      if (upTo <= folded) return;
+      foldRanges(work, mineStep->recv, scratch_.data(), workType, carry.op, folded, upTo);
+      folded = upTo;
+    };
     // Once the summary is in, the data that follows is what the sender's header says.
     auto onRecv = [&](size_t received) {
-      if (sized || received < sizeof(HeaderSummary)) return;
+      if (sized) {
+        if (foldEarly && same && received > sizeof(HeaderSummary)) {
+          const size_t got = received - sizeof(HeaderSummary);
+          foldUpTo(got == expected ? expected : got / segBytes * segBytes);
+        }
+        return;
+      }
+      if (received < sizeof(HeaderSummary)) return;
       sized = true;
       const int from = step.recvFrom;
       size_t bytes = expected;
@@ -137,8 +155,8 @@ bool TcpLinks::exchangeHeaders(std::vector<OpHeader>& all, const std::vector<std
     mine.agree = mine.agree && theirs.agree && theirs.header.sameForAll(own);
     if (!same) {
       fits = false;
-    } else if (mineStep && mineStep->fold && expected > 0) {
-      foldRanges(work, mineStep->recv, scratch_.data(), workType, carry.op, 0, expected);
+    } else if (folding) {
+      foldUpTo(expected);
     }
   };
 

@@ -4,6 +4,7 @@
 
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -282,11 +283,32 @@ void TcpLinks::exchange(int sendTo, const std::vector<Span>& send, int recvFrom,
     }
     bool progressed = false;
     if (allowed > 0) {
-      const Span& s = send[sendIdx];
-      ssize_t w = ::send(sendFd, s.data + sendOff, allowed, MSG_NOSIGNAL | MSG_DONTWAIT);
+      // The rest of this span and, when nothing limits the stream, the next few spans in one
+      // call: a short header span goes in the same segment as the data after it, so the
+      // receiver wakes once for both.
+      iovec iov[8];
+      int n = 0;
+      iov[n++] = {send[sendIdx].data + sendOff, allowed};
+      if (!sendable && allowed == send[sendIdx].bytes - sendOff) {
+        size_t total = allowed;
+        for (size_t i = sendIdx + 1; i < send.size() && n < 8 && total < piece; ++i) {
+          const size_t len = std::min(send[i].bytes, piece - total);
+          if (len > 0) iov[n++] = {send[i].data, len};
+          total += len;
+        }
+      }
+      msghdr msg{};
+      msg.msg_iov = iov;
+      msg.msg_iovlen = n;
+      ssize_t w = ::sendmsg(sendFd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
       if (w > 0) {
-        sendOff += static_cast<size_t>(w);
         sent += static_cast<size_t>(w);
+        for (size_t left = static_cast<size_t>(w); left > 0;) {  // advance over the spans sent
+          skipEmpty(send, sendIdx, sendOff);
+          const size_t take = std::min(left, send[sendIdx].bytes - sendOff);
+          sendOff += take;
+          left -= take;
+        }
         progressed = true;
       } else if (w < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
         fail(std::string("lost the connection (") + std::strerror(errno) +

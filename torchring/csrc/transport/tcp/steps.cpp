@@ -15,15 +15,6 @@
 namespace torchring {
 namespace {
 
-bool overlaps(const std::vector<Range>& a, const std::vector<Range>& b) {
-  for (const Range& x : a) {
-    for (const Range& y : b) {
-      if (x.count > 0 && y.count > 0 && x.first < y.first + y.count && y.first < x.first + x.count) return true;
-    }
-  }
-  return false;
-}
-
 std::vector<Span> spansOf(const std::vector<Range>& ranges, char* base, size_t unit) {
   std::vector<Span> out;
   for (const Range& r : ranges) out.push_back({base + r.first * unit, r.count * unit});
@@ -109,7 +100,7 @@ void TcpLinks::stepAllreduce(const Schedule& schedule, char* data, size_t count,
       foldRanges(work, step.recv, scratch_.data(), workType, op, folded, upTo);
       folded = std::max(folded, upTo);
     };
-    const bool foldLate = overlaps(step.send, step.recv);
+    const bool foldLate = rangesOverlap(step.send, step.recv);
     auto onRecv = [&](size_t received) {
       if (foldLate) return;
       const size_t upTo = received == bytes ? bytes : received / segBytes * segBytes;
