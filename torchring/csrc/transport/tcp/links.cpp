@@ -166,9 +166,9 @@ void TcpLinks::fail(const std::string& why, int member, const std::string& advic
 }
 
 // alpha: what one step of a log-depth schedule costs whatever its size (the wire's latency
-// plus the wake-ups and calls on both ends, with every member busy at once): the median of 11
-// runs of the recursive doubling schedule (schedule/schedule.h, with its fold) with 8-byte
-// messages, after one that lines the members up, divided by the longest member's step count. beta: rounds in
+// plus the wake-ups and calls on both ends, with every member busy at once): the median of 5
+// blocks of 8 runs of the recursive doubling schedule (schedule/schedule.h, with its fold)
+// with 8-byte messages, after one run, per run and divided by the longest member's step count. beta: rounds in
 // which every member sends 1 MiB to its right neighbour and receives 1 MiB from its left one,
 // the fastest of three, less alpha, per byte.
 LinkCost TcpLinks::measure() {
@@ -196,15 +196,20 @@ LinkCost TcpLinks::measure() {
       exchange(step.sendTo, send, step.recvFrom, recv);
     }
   };
+  // Blocks of runs, not single runs: members that start a run apart by more than a step
+  // settle into runs that alternately take no time (the partner's message is already there)
+  // and two steps (it waits a round trip), so a single run's time says little; a block of an
+  // even number of runs takes what the runs take on average. The median block, per step.
   doubling();
-  std::vector<double> runs;
-  for (int i = 0; i < 11; ++i) {
+  constexpr int kBlocks = 5, kRunsPerBlock = 8;
+  std::vector<double> blocks;
+  for (int b = 0; b < kBlocks; ++b) {
     const auto t0 = Clock::now();
-    doubling();
-    runs.push_back(secondsSince(t0));
+    for (int i = 0; i < kRunsPerBlock; ++i) doubling();
+    blocks.push_back(secondsSince(t0) / kRunsPerBlock);
   }
-  std::nth_element(runs.begin(), runs.begin() + 5, runs.end());
-  cost.alpha = runs[5] / static_cast<double>(longest);
+  std::nth_element(blocks.begin(), blocks.begin() + kBlocks / 2, blocks.end());
+  cost.alpha = blocks[kBlocks / 2] / static_cast<double>(longest);
   constexpr size_t kProbe = 1 << 20;
   cost.beta = std::max(1e-12, (rounds(kProbe, 3) - cost.alpha) / kProbe);
   // gamma: one float32 sum of the probe's size on this host.
