@@ -117,10 +117,11 @@ def allreduce_steps(E: Any, algo: str, hosts: int, count: int, esize: int) -> tu
     return tuple(out)
 
 
-def rides(E: Any, algo: str, count: int, esize: int) -> bool:
+def rides(E: Any, algo: str, hosts: int, count: int, esize: int, net: Net) -> bool:
     """Whether the allreduce rides on the header exchange (engine/fused.cpp carriedPlan): Doubling
-    or Rabenseifner (any halvings) of at most the engine's carried_limit_bytes()."""
-    return bool(E.rides_on_headers(algo, count, esize))
+    or Rabenseifner (any halvings) whose two copies of the tensor cost less than the header
+    exchange's steps (E.rides_on_headers, the engine's own rule)."""
+    return bool(E.rides_on_headers(algo, hosts, count, esize, net.alpha, net.beta, net.gamma))
 
 
 @lru_cache(maxsize=256)
@@ -152,15 +153,18 @@ def carried_steps(E: Any, algo: str, hosts: int, count: int, esize: int) -> tupl
     return tuple(out)
 
 
-def plan(E: Any, algo: str, hosts: int, per_host: int, count: int, esize: int, shm: Shm) -> list[list[Step]]:
+def plan(E: Any, algo: str, hosts: int, per_host: int, count: int, esize: int, shm: Shm,
+         net: Net) -> list[list[Step]]:
     """Every leader's steps of one allreduce as the engine runs it (engine/communicator.cpp run):
     the header exchange, the host's shared-memory reduce, `algo` among the leaders, the host's
-    broadcast; an allreduce that rides on the header exchange reduces in the host first, then
-    runs its schedule with the headers on its first steps (engine/fused.cpp), then the broadcast."""
+    broadcast; an allreduce that rides on the header exchange copies its tensor (the copy back
+    counted with it), reduces in the host, runs its schedule with the headers on its first steps
+    (engine/fused.cpp), then the broadcast."""
     stage = shm.stage(count * esize, per_host)
     shm_step: list[Step] = [(-1, -1, 0, 0, 0, stage)] if stage > 0 else []
-    if rides(E, algo, count, esize):
-        return [shm_step + list(steps) + shm_step for steps in carried_steps(E, algo, hosts, count, esize)]
+    if rides(E, algo, hosts, count, esize, net):
+        copy: Step = (-1, -1, 0, 0, 0, E.carry_seconds(count * esize, net.alpha, net.beta, net.gamma))
+        return [[copy] + shm_step + list(steps) + shm_step for steps in carried_steps(E, algo, hosts, count, esize)]
     head, body = header_steps(E, hosts), allreduce_steps(E, algo, hosts, count, esize)
     return [list(head[m]) + shm_step + list(body[m]) + shm_step for m in range(hosts)]
 
@@ -178,8 +182,9 @@ def closed_form(E: Any, algo: str, hosts: int, per_host: int, count: int, esize:
     (E.allreduce_seconds), "header" what the header exchange adds to it (the step rule along its
     slowest leader; for an allreduce riding on it, only its header bytes), "shm" the stages."""
     alone = E.allreduce_seconds(algo, hosts, count, esize, net.alpha, net.beta, net.gamma)
-    if rides(E, algo, count, esize):
-        head = max(step_sum(s, net) for s in carried_steps(E, algo, hosts, count, esize)) - alone
+    if rides(E, algo, hosts, count, esize, net):
+        head = (max(step_sum(s, net) for s in carried_steps(E, algo, hosts, count, esize)) - alone
+                + E.carry_seconds(count * esize, net.alpha, net.beta, net.gamma))
     else:
         head = max(step_sum(h, net) for h in header_steps(E, hosts))
     return {"header": head, "allreduce": alone, "shm": 2 * shm.stage(count * esize, per_host)}

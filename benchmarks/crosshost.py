@@ -184,23 +184,13 @@ def _link(hs: list, modes: list[str], seconds: float, when: str, link: dict) -> 
 
 def run_job(hs: list, a: argparse.Namespace, rows_path: str) -> list[dict]:
     """Start every rank in its host, relay rows as they come, return rank 0's records."""
-    world = len(hs) * a.per_host
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC_", "GROUP_"))}
-    env.update(PYTHONPATH=os.pathsep.join([_ROOT] + [p for p in [env.get("PYTHONPATH")] if p]),
-               OMP_NUM_THREADS="1", MASTER_ADDR=hs[0].addr, MASTER_PORT=str(PORT),
-               WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(a.per_host), GLOO_SOCKET_IFNAME="eth0")
+    from _host_jobs import job_env, start_ranks
+
+    env = job_env(hs, a.per_host, PORT, GLOO_SOCKET_IFNAME="eth0")
     argv = [sys.executable, os.path.abspath(__file__), "--rank-main", "--rows", rows_path,
             "--sizes", a.sizes, "--dtypes", a.dtypes, "--trials", str(a.trials),
             "--trial-s", str(a.trial_s), "--libs", a.libs]
-    procs, logs = [], []
-    for h in hs:
-        for local in range(a.per_host):
-            rank = h.index * a.per_host + local
-            logs.append(os.path.join(h.shared, f"rank{rank}.log"))
-            with open(logs[-1], "w") as log:
-                procs.append(h.popen(argv, env={**env, "RANK": str(rank), "LOCAL_RANK": str(local)},
-                                     cwd=h.shared, stdout=log, stderr=subprocess.STDOUT))
+    procs, logs = start_ranks(hs, argv, env, a.per_host, log="rank{rank}.log")
     records, pos, deadline = [], 0, time.monotonic() + a.timeout
     try:
         while True:

@@ -108,7 +108,7 @@ def run_point(E: Any, a: argparse.Namespace, algo: str, hosts: int, per_host: in
     shared = algo != "ring" and a.leaf and a.oversub > 1
     if a.engine == "closed" or (steps > a.sim_steps and not shared):
         return sum(sim.closed_form(E, algo, hosts, per_host, count, esize, net, shm).values()) + max(late), "closed"
-    plans = sim.plan(E, algo, hosts, per_host, count, esize, shm)
+    plans = sim.plan(E, algo, hosts, per_host, count, esize, shm, net)
     if a.engine == "simgrid":
         return max(sim.simulate_simgrid(plans, net, late)), "simgrid"
     return max(sim.simulate(plans, net, late)), "flow"

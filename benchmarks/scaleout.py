@@ -31,7 +31,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
@@ -143,13 +142,9 @@ def _mpi_main(a: argparse.Namespace) -> None:
 
 
 def _env(hs: list, a: argparse.Namespace) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC_", "OMPI_", "PMIX_"))}
-    env.update(PYTHONPATH=os.pathsep.join([_ROOT] + [p for p in [env.get("PYTHONPATH")] if p]),
-               OMP_NUM_THREADS="1", MASTER_ADDR=hs[0].addr, MASTER_PORT=str(PORT),
-               WORLD_SIZE=str(len(hs) * a.per_host), LOCAL_WORLD_SIZE=str(a.per_host),
-               GLOO_SOCKET_IFNAME="eth0", TORCHRING_TIMEOUT="120")
-    return env
+    from _host_jobs import job_env
+
+    return job_env(hs, a.per_host, PORT, GLOO_SOCKET_IFNAME="eth0", TORCHRING_TIMEOUT="120")
 
 
 def _rank_args(a: argparse.Namespace, rows: str, flag: str) -> list[str]:
@@ -164,27 +159,14 @@ def _read_rows(path: str) -> list[dict]:
 
 def run_job(hs: list, a: argparse.Namespace) -> list[dict]:
     """torchring + gloo: every rank started in its host directly; rank 0's rows."""
+    from _host_jobs import log_tails, start_ranks, wait_all
+
     rows = os.path.join(hs[0].shared, f"rows-{len(hs)}.jsonl")
-    env, procs, logs = _env(hs, a), [], []
-    for h in hs:
-        for local in range(a.per_host):
-            rank = h.index * a.per_host + local
-            logs.append(os.path.join(h.shared, f"rank{rank}-{len(hs)}.log"))
-            with open(logs[-1], "w") as log:
-                procs.append(h.popen([sys.executable, *_rank_args(a, rows, "--rank-main")],
-                                     env={**env, "RANK": str(rank), "LOCAL_RANK": str(local)},
-                                     cwd=h.shared, stdout=log, stderr=subprocess.STDOUT))
-    try:
-        codes = [p.wait(timeout=a.timeout) for p in procs]
-    except subprocess.TimeoutExpired:
-        codes = None
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    procs, logs = start_ranks(hs, [sys.executable, *_rank_args(a, rows, "--rank-main")], _env(hs, a), a.per_host,
+                              log="rank{rank}-" + str(len(hs)) + ".log")
+    codes = wait_all(procs, a.timeout)
     if codes != [0] * len(procs):
-        tails = "\n".join(f"--- {os.path.basename(p)}:\n{open(p).read()[-2000:]}" for p in logs)
-        raise SystemExit(f"{len(hs)} hosts: the job failed (exit codes {codes})\n{tails}")
+        raise SystemExit(f"{len(hs)} hosts: the job failed (exit codes {codes})\n{log_tails(logs)}")
     return _read_rows(rows)
 
 

@@ -51,7 +51,7 @@ def test_one_message_costs_alpha_plus_n_beta() -> None:
 def test_ring_of_four_equals_the_closed_form() -> None:
     net = sim.Net(bandwidth=B, latency=D, overhead=S, gamma=0.2e-9)
     count = 1000  # 250 elements a chunk: every leader moves the same bytes
-    plans = sim.plan(ENGINE, "ring", 4, 1, count, 4, sim.Shm())
+    plans = sim.plan(ENGINE, "ring", 4, 1, count, 4, sim.Shm(), NET)
     closed = sim.closed_form(ENGINE, "ring", 4, 1, count, 4, net, sim.Shm())
     by_hand = 6 * (S + D + 1000 / B) + 3 * 1000 * 0.2e-9  # 6 steps of 1 KB, 3 fold 1 KB
     assert _close(closed["allreduce"], by_hand)
@@ -84,7 +84,7 @@ def test_an_oversubscribed_spine_is_shared() -> None:
 
 
 def test_a_late_leader_delays_the_ring_by_its_lateness() -> None:
-    plans = sim.plan(ENGINE, "ring", 4, 1, 1000, 4, sim.Shm())
+    plans = sim.plan(ENGINE, "ring", 4, 1, 1000, 4, sim.Shm(), NET)
     on_time = max(sim.simulate(plans, NET))
     late = max(sim.simulate(plans, NET, [0.0, 0.0, 300e-6, 0.0]))
     assert _close(late, on_time + 300e-6)
@@ -92,35 +92,40 @@ def test_a_late_leader_delays_the_ring_by_its_lateness() -> None:
 
 def test_a_small_doubling_rides_on_the_header_exchange() -> None:
     net = sim.Net(bandwidth=B, latency=D, overhead=S, gamma=0.2e-9)
-    plans = sim.plan(ENGINE, "doubling", 4, 1, 100, 4, sim.Shm())  # 400 B: log2(4) steps in all
-    assert [len(p) for p in plans] == [2] * 4
-    by_hand = 2 * (S + D) + 2 * sim.SUMMARY_BYTES / B + 2 * 400 / B + 2 * 400 * 0.2e-9
+    plans = sim.plan(ENGINE, "doubling", 4, 1, 100, 4, sim.Shm(), net)  # 400 B: log2(4) steps in all
+    assert [len(p) for p in plans] == [1 + 2] * 4  # the copies, then the two steps
+    copies = 2 * 400 * 0.2e-9  # the tensor copied in, and the result copied out
+    by_hand = copies + 2 * (S + D) + 2 * sim.SUMMARY_BYTES / B + 2 * 400 / B + 2 * 400 * 0.2e-9
     assert all(_close(f, by_hand) for f in sim.simulate(plans, net))
     closed = sim.closed_form(ENGINE, "doubling", 4, 1, 100, 4, net, sim.Shm())
-    assert _close(closed["header"], 2 * sim.SUMMARY_BYTES / B) and _close(sum(closed.values()), by_hand)
-    big = sim.plan(ENGINE, "doubling", 4, 1, ENGINE.carried_limit_bytes() // 4 + 1, 4, sim.Shm())
+    assert _close(closed["header"], copies + 2 * sim.SUMMARY_BYTES / B) and _close(sum(closed.values()), by_hand)
+    big = sim.plan(ENGINE, "doubling", 4, 1, ENGINE.carried_limit_bytes() // 4 + 1, 4, sim.Shm(), NET)
     assert [len(p) for p in big] == [4] * 4  # past the limit: the header exchange, then the allreduce
+    # Where copying the tensor twice costs more than the header exchange's two steps, it does not ride.
+    n = int(2 * (S + D) / (2 * 0.2e-9)) // 4 + 1
+    assert sim.rides(ENGINE, "doubling", 4, n - 2, 4, net) and not sim.rides(ENGINE, "doubling", 4, n, 4, net)
 
 
 def test_rabenseifner_carries_the_headers_on_its_halvings() -> None:
     """Four hosts, 4000 bytes: two halvings (2000 then 1000 bytes, each with a summary, folded),
     then two steps back (1000 then 2000 bytes): four steps, none for the header exchange alone."""
     net = sim.Net(bandwidth=B, latency=D, overhead=S, gamma=0.2e-9)
-    plans = sim.plan(ENGINE, "rabenseifner", 4, 1, 1000, 4, sim.Shm())
-    assert [len(p) for p in plans] == [4] * 4
-    by_hand = (4 * (S + D) + (2000 + 1000 + 2 * sim.SUMMARY_BYTES) / B + (1000 + 2000) / B
+    plans = sim.plan(ENGINE, "rabenseifner", 4, 1, 1000, 4, sim.Shm(), net)
+    assert [len(p) for p in plans] == [1 + 4] * 4  # the copies, then the four steps
+    copies = 2 * 4000 * 0.2e-9
+    by_hand = (copies + 4 * (S + D) + (2000 + 1000 + 2 * sim.SUMMARY_BYTES) / B + (1000 + 2000) / B
                + (2000 + 1000) * 0.2e-9)
     assert all(_close(f, by_hand) for f in sim.simulate(plans, net))
     closed = sim.closed_form(ENGINE, "rabenseifner", 4, 1, 1000, 4, net, sim.Shm())
-    assert _close(closed["header"], 2 * sim.SUMMARY_BYTES / B) and _close(sum(closed.values()), by_hand)
+    assert _close(closed["header"], copies + 2 * sim.SUMMARY_BYTES / B) and _close(sum(closed.values()), by_hand)
     # One halving, then doubling on the half window: three steps.
-    assert [len(p) for p in sim.plan(ENGINE, "rabenseifner:1", 4, 1, 1000, 4, sim.Shm())] == [3] * 4
+    assert [len(p) for p in sim.plan(ENGINE, "rabenseifner:1", 4, 1, 1000, 4, sim.Shm(), NET)] == [1 + 3] * 4
 
 
 def test_shared_memory_stages_bracket_the_leaders() -> None:
     shm = sim.Shm(a=5e-6, bw=10e9)
-    alone = max(sim.simulate(sim.plan(ENGINE, "rabenseifner", 4, 1, 1000, 4, shm), NET))
-    eight = max(sim.simulate(sim.plan(ENGINE, "rabenseifner", 4, 8, 1000, 4, shm), NET))
+    alone = max(sim.simulate(sim.plan(ENGINE, "rabenseifner", 4, 1, 1000, 4, shm, NET), NET))
+    eight = max(sim.simulate(sim.plan(ENGINE, "rabenseifner", 4, 8, 1000, 4, shm, NET), NET))
     # The header exchange's summaries do not grow with the ranks per host: only the stages differ.
     assert _close(eight - alone, 2 * (5e-6 + 4000 / 10e9))
 
@@ -137,7 +142,7 @@ def test_simgrid_agrees(eager: bool) -> None:
         pytest.skip("SimGrid's Python module is not installed (Debian: apt-get install python3-simgrid)")
     net = sim.Net(bandwidth=B, latency=D, overhead=S, gamma=0.1e-9, eager=eager)
     # Five hosts fold in and out: with eager sends, core messages share the folding hosts' downlinks.
-    plans = sim.plan(ENGINE, "doubling", 5, 2, 100_000, 4, sim.Shm())
+    plans = sim.plan(ENGINE, "doubling", 5, 2, 100_000, 4, sim.Shm(), net)
     flow, grid = sim.simulate(plans, net, [0, 40e-6, 0, 0, 0]), sim.simulate_simgrid(plans, net, [0, 40e-6, 0, 0, 0])
     assert all(_close(f, g) for f, g in zip(flow, grid)), (flow, grid)
     shared = _sends([(0, 2, N), (1, 2, N // 2)], 3)

@@ -158,12 +158,20 @@ void bindSchedules(py::module_& m) {
       py::arg("gamma"), "the algorithm the engine runs for this allreduce (\"rabenseifner:K\": K halvings)");
   m.def(
       "rides_on_headers",
-      [](const std::string& algo, size_t count, size_t esize) {
-        return ridesOnHeaders(choiceNamed(algo).algo, count, esize);
+      [](const std::string& algo, int members, size_t count, size_t esize, double alpha, double beta,
+         double gamma) {
+        return ridesOnHeaders(choiceNamed(algo).algo, members, count, esize, {alpha, beta, gamma});
       },
-      py::arg("algo"), py::arg("count"), py::arg("esize"),
+      py::arg("algo"), py::arg("members"), py::arg("count"), py::arg("esize"), py::arg("alpha"), py::arg("beta"),
+      py::arg("gamma"),
       "whether this allreduce rides on the header exchange (its first steps carry the headers)");
-  m.def("carried_limit_bytes", [] { return kCarriedLimitBytes; }, "the largest allreduce that rides on the header exchange");
+  m.def("carried_limit_bytes", [] { return kCarriedLimitBytes; }, "the largest allreduce that may ride on the header exchange");
+  m.def(
+      "carry_seconds", [](size_t bytes, double alpha, double beta, double gamma) {
+        return carrySeconds(bytes, {alpha, beta, gamma});
+      },
+      py::arg("bytes"), py::arg("alpha"), py::arg("beta"), py::arg("gamma"),
+      "the copies an allreduce riding on the header exchange makes");
 }
 
 }  // namespace torchring

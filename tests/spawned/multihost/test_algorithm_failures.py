@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -39,20 +38,13 @@ def _read(path: str) -> dict | None:
 def test_host_killed_mid_allreduce(algo: str, lost: int) -> None:
     """Host `lost` killed: 3 is in the power-of-two core (it folds host 2 in), 2 sits out, 5 is
     a core member with no pair."""
+    from _host_jobs import job_env, start_ranks, wait_all
     from _hosts import hosts
 
     with hosts(HOSTS) as hs:
         shared = hs[0].shared
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
-        env.update({"PYTHONPATH": os.pathsep.join([_SUPPORT, _ROOT]), "OMP_NUM_THREADS": "1",
-                    "MASTER_ADDR": hs[0].addr, "MASTER_PORT": "29500", "WORLD_SIZE": str(HOSTS),
-                    "TORCHRING_TIMEOUT": str(TIMEOUT_S), "TORCHRING_ALGO": algo})
-        procs = []
-        for rank, h in enumerate(hs):
-            log = open(os.path.join(shared, f"log{rank}.txt"), "w")
-            procs.append(h.popen([sys.executable, __file__, shared], env=dict(env, RANK=str(rank)),
-                                 cwd=shared, stdout=log, stderr=subprocess.STDOUT))
-            log.close()
+        env = job_env(hs, TORCHRING_TIMEOUT=str(TIMEOUT_S), TORCHRING_ALGO=algo)
+        procs, _ = start_ranks(hs, [sys.executable, __file__, shared], env)
         try:
             deadline = time.monotonic() + 120
             while not all(os.path.exists(os.path.join(shared, f"ready{r}.json")) for r in range(HOSTS)):
@@ -67,9 +59,7 @@ def test_host_killed_mid_allreduce(algo: str, lost: int) -> None:
                     os.path.exists(os.path.join(shared, f"error{r}.json")) for r in survivors):
                 time.sleep(0.1)
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
+            wait_all(procs, 0)
         problems = []
         for r in survivors:
             e = _read(os.path.join(shared, f"error{r}.json"))

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -112,29 +111,14 @@ def _job(shared: str) -> None:
 
 
 def _run(hs: list, per_host: int) -> None:
+    from _host_jobs import job_env, log_tails, start_ranks, wait_all
+
     world = len(hs) * per_host
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
-    env.update({"PYTHONPATH": os.pathsep.join([_SUPPORT, _ROOT]), "OMP_NUM_THREADS": "1",
-                "MASTER_ADDR": hs[0].addr, "MASTER_PORT": "29500", "WORLD_SIZE": str(world),
-                "TORCHRING_TIMEOUT": "60"})
-    procs = []
-    for rank in range(world):
-        h = hs[rank // per_host]
-        log = open(os.path.join(h.shared, f"log{rank}.txt"), "w")
-        procs.append(h.popen([sys.executable, __file__, h.shared],
-                             env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank % per_host),
-                                      LOCAL_WORLD_SIZE=str(per_host)),
-                             cwd=h.shared, stdout=log, stderr=subprocess.STDOUT))
-        log.close()
-    try:
-        codes = [p.wait(timeout=_JOB_TIMEOUT) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    env = job_env(hs, per_host, TORCHRING_TIMEOUT="60")
+    procs, logs = start_ranks(hs, [sys.executable, __file__, hs[0].shared], env, per_host)
+    codes = wait_all(procs, _JOB_TIMEOUT)
+    assert codes == [0] * world, f"exit codes {codes}\n{log_tails(logs)}"
     shared = hs[0].shared
-    logs = "".join(open(os.path.join(shared, f"log{r}.txt")).read()[-2000:] for r in range(world))
-    assert codes == [0] * world, f"exit codes {codes}\n{logs}"
     failures = []
     for rank in range(world):
         with open(os.path.join(shared, f"rank{rank}.json")) as f:

@@ -2,9 +2,9 @@
 //
 // Every operation on several hosts starts with the leaders' header exchange
 // (TcpLinks::exchangeHeaders: recursive doubling whose messages summarize the headers their
-// sender knows). An allreduce whose algorithm is Doubling or Rabenseifner (any halvings) and
-// whose partial results are at most kCarriedLimitBytes carries its data in the same messages
-// (carriedPlan): the host's ranks first reduce a copy of their tensors to the leader, the
+// sender knows). An allreduce whose algorithm is Doubling or Rabenseifner (any halvings),
+// small enough that copying its tensor costs less than the header exchange's steps
+// (schedule/cost.h ridesOnHeaders), carries its data in the same messages (carriedPlan): the host's ranks first reduce a copy of their tensors to the leader, the
 // leaders' schedule runs its first steps inside the header exchange and the rest once every
 // header is known to agree, and every rank checks the headers as usual. Its steps are the
 // header exchange's instead of coming after them: log2(hosts) steps fewer. Which schedule a
@@ -21,7 +21,7 @@ Schedule Communicator::carriedPlan(const OpHeader& header, int member) const {
   if (static_cast<OpKind>(header.kind) != OpKind::ALLREDUCE || header.onGpu) return {};
   const auto dtype = static_cast<DType>(header.dtype);
   const auto algo = static_cast<Algo>(header.algo);
-  if (!ridesOnHeaders(algo, header.count, isHalfFloat(dtype) ? 4 : elementSize(dtype))) return {};
+  if (!ridesOnHeaders(algo, numHosts(), header.count, isHalfFloat(dtype) ? 4 : elementSize(dtype), cost_)) return {};
   return allreduceSchedule(algo, numHosts(), member, header.count, header.levels);
 }
 

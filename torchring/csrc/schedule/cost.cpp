@@ -91,9 +91,12 @@ double headerSeconds(int members, const LinkCost& cost) {
   return members <= 1 ? 0 : doublingSteps(members) * cost.alpha;
 }
 
-bool ridesOnHeaders(Algo algo, size_t count, size_t esize) {
+double carrySeconds(size_t bytes, const LinkCost& cost) { return 2.0 * static_cast<double>(bytes) * cost.gamma; }
+
+bool ridesOnHeaders(Algo algo, int members, size_t count, size_t esize, const LinkCost& cost) {
   const size_t work = count * esize;
-  return (algo == Algo::Doubling || algo == Algo::Rabenseifner) && work > 0 && work <= kCarriedLimitBytes;
+  return (algo == Algo::Doubling || algo == Algo::Rabenseifner) && members > 1 && work > 0 &&
+         work <= kCarriedLimitBytes && carrySeconds(work, cost) < headerSeconds(members, cost);
 }
 
 AllreduceChoice chooseAllreduce(AllreduceChoice forced, int members, size_t count, size_t esize,
@@ -101,7 +104,9 @@ AllreduceChoice chooseAllreduce(AllreduceChoice forced, int members, size_t coun
   if (forced.algo != Algo::Auto) return forced;
   const double header = headerSeconds(members, cost);
   auto seconds = [&](Algo a, int levels) {
-    return allreduceSeconds(a, members, count, esize, cost, levels) + (ridesOnHeaders(a, count, esize) ? 0 : header);
+    const bool rides = ridesOnHeaders(a, members, count, esize, cost);
+    return allreduceSeconds(a, members, count, esize, cost, levels) +
+           (rides ? carrySeconds(count * esize, cost) : header);
   };
   AllreduceChoice best{Algo::Ring, 0};
   double bestSeconds = seconds(Algo::Ring, 0);
