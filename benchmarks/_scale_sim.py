@@ -119,7 +119,7 @@ def allreduce_steps(E: Any, algo: str, hosts: int, count: int, esize: int) -> tu
 
 def rides(E: Any, algo: str, hosts: int, count: int, esize: int, net: Net) -> bool:
     """Whether the allreduce rides on the header exchange (engine/fused.cpp carriedPlan): Doubling
-    or Rabenseifner (any halvings) whose two copies of the tensor cost less than the header
+    or Rabenseifner (any halvings) whose copy of the tensor costs less than the header
     exchange's steps (E.rides_on_headers, the engine's own rule)."""
     return bool(E.rides_on_headers(algo, hosts, count, esize, net.alpha, net.beta, net.gamma))
 
@@ -157,9 +157,9 @@ def plan(E: Any, algo: str, hosts: int, per_host: int, count: int, esize: int, s
          net: Net) -> list[list[Step]]:
     """Every leader's steps of one allreduce as the engine runs it (engine/communicator.cpp run):
     the header exchange, the host's shared-memory reduce, `algo` among the leaders, the host's
-    broadcast; an allreduce that rides on the header exchange copies its tensor (the copy back
-    counted with it), reduces in the host, runs its schedule with the headers on its first steps
-    (engine/fused.cpp), then the broadcast."""
+    broadcast; an allreduce that rides on the header exchange copies its tensor into the leader's
+    buffer (E.carry_seconds), reduces in the host, runs its schedule with the headers on its
+    first steps (engine/fused.cpp), then the broadcast."""
     stage = shm.stage(count * esize, per_host)
     shm_step: list[Step] = [(-1, -1, 0, 0, 0, stage)] if stage > 0 else []
     if rides(E, algo, hosts, count, esize, net):

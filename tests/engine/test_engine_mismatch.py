@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from _checks import Checker, expected_allreduce, rank_input, reference
-from _world import mismatch_text, run_world, submit
+from _world import mismatch_text, run_world, submit, submit_op
 from _mismatches import MISMATCHES, Call, expected_pair, message_problem
 from torchring._core.types import OpKind, ReduceOp
 
@@ -164,6 +164,17 @@ def _carried_mismatches(rank: int, comm: Any, world: int) -> tuple[list[str | No
         comm.levels = 1
         got = submit(comm, OpKind.ALLREDUCE, rank_input(rank, world, n, torch.float32)).wait()
         chk.equal(f"{what}: the allreduce after it", got, expected_allreduce(world, n, torch.float32, "SUM"))
+    # 16-bit floats (their folds run on the leader's float32 sums): a size mismatch, then exact.
+    t = rank_input(rank, world, n + (rank == 3), torch.bfloat16)
+    before = t.clone()
+    errors.append(mismatch_text(submit(comm, OpKind.ALLREDUCE, t)))
+    chk.equal("bfloat16: the tensor after the failed allreduce", t, before)
+    got = submit(comm, OpKind.ALLREDUCE, rank_input(rank, world, n, torch.bfloat16)).wait()
+    chk.equal("bfloat16: the allreduce after it", got, expected_allreduce(world, n, torch.bfloat16, "SUM"))
+    # Prescaled: the factor applies to a copy of the contribution, the tensor gets the sum.
+    t = rank_input(rank, world, n, torch.float32)
+    got = submit_op(comm, OpKind.ALLREDUCE, t, prescale=2.0).wait()
+    chk.equal("prescale 2", got, 2 * expected_allreduce(world, n, torch.float32, "SUM"))
     return errors, chk.failures
 
 
@@ -176,8 +187,9 @@ def test_carried_allreduce_mismatch_fails_alike() -> None:
     # Every rank words it alike but for its own name in front ("rank 2: collective #0 ...").
     texts = [[e.split(": ", 1)[1] if e else e for e in errors] for errors, _ in results]
     assert all(t == texts[0] for t in texts[1:]), texts
-    levels, size, op = texts[0]
+    levels, size, op, half = texts[0]
     assert levels is not None and "ranks chose different algorithms among hosts" in levels, levels
     assert "rabenseifner:1" in levels and "rank 3 rabenseifner" in levels, levels
     assert size is not None and "float32[3001]" in size and "rank 3" in size, size
     assert op is not None and "MAX" in op and "rank 3" in op, op
+    assert half is not None and "bfloat16[3001]" in half and "rank 3" in half, half

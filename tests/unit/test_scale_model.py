@@ -93,16 +93,16 @@ def test_a_late_leader_delays_the_ring_by_its_lateness() -> None:
 def test_a_small_doubling_rides_on_the_header_exchange() -> None:
     net = sim.Net(bandwidth=B, latency=D, overhead=S, gamma=0.2e-9)
     plans = sim.plan(ENGINE, "doubling", 4, 1, 100, 4, sim.Shm(), net)  # 400 B: log2(4) steps in all
-    assert [len(p) for p in plans] == [1 + 2] * 4  # the copies, then the two steps
-    copies = 2 * 400 * 0.2e-9  # the tensor copied in, and the result copied out
-    by_hand = copies + 2 * (S + D) + 2 * sim.SUMMARY_BYTES / B + 2 * 400 / B + 2 * 400 * 0.2e-9
+    assert [len(p) for p in plans] == [1 + 2] * 4  # the copy, then the two steps
+    copy = 400 * 0.2e-9  # the tensor copied into the leader's buffer
+    by_hand = copy + 2 * (S + D) + 2 * sim.SUMMARY_BYTES / B + 2 * 400 / B + 2 * 400 * 0.2e-9
     assert all(_close(f, by_hand) for f in sim.simulate(plans, net))
     closed = sim.closed_form(ENGINE, "doubling", 4, 1, 100, 4, net, sim.Shm())
-    assert _close(closed["header"], copies + 2 * sim.SUMMARY_BYTES / B) and _close(sum(closed.values()), by_hand)
+    assert _close(closed["header"], copy + 2 * sim.SUMMARY_BYTES / B) and _close(sum(closed.values()), by_hand)
     big = sim.plan(ENGINE, "doubling", 4, 1, ENGINE.carried_limit_bytes() // 4 + 1, 4, sim.Shm(), NET)
     assert [len(p) for p in big] == [4] * 4  # past the limit: the header exchange, then the allreduce
-    # Where copying the tensor twice costs more than the header exchange's two steps, it does not ride.
-    n = int(2 * (S + D) / (2 * 0.2e-9)) // 4 + 1
+    # Where copying the tensor costs more than the header exchange's two steps, it does not ride.
+    n = int(2 * (S + D) / 0.2e-9) // 4 + 1
     assert sim.rides(ENGINE, "doubling", 4, n - 2, 4, net) and not sim.rides(ENGINE, "doubling", 4, n, 4, net)
 
 
@@ -111,13 +111,13 @@ def test_rabenseifner_carries_the_headers_on_its_halvings() -> None:
     then two steps back (1000 then 2000 bytes): four steps, none for the header exchange alone."""
     net = sim.Net(bandwidth=B, latency=D, overhead=S, gamma=0.2e-9)
     plans = sim.plan(ENGINE, "rabenseifner", 4, 1, 1000, 4, sim.Shm(), net)
-    assert [len(p) for p in plans] == [1 + 4] * 4  # the copies, then the four steps
-    copies = 2 * 4000 * 0.2e-9
-    by_hand = (copies + 4 * (S + D) + (2000 + 1000 + 2 * sim.SUMMARY_BYTES) / B + (1000 + 2000) / B
+    assert [len(p) for p in plans] == [1 + 4] * 4  # the copy, then the four steps
+    copy = 4000 * 0.2e-9
+    by_hand = (copy + 4 * (S + D) + (2000 + 1000 + 2 * sim.SUMMARY_BYTES) / B + (1000 + 2000) / B
                + (2000 + 1000) * 0.2e-9)
     assert all(_close(f, by_hand) for f in sim.simulate(plans, net))
     closed = sim.closed_form(ENGINE, "rabenseifner", 4, 1, 1000, 4, net, sim.Shm())
-    assert _close(closed["header"], copies + 2 * sim.SUMMARY_BYTES / B) and _close(sum(closed.values()), by_hand)
+    assert _close(closed["header"], copy + 2 * sim.SUMMARY_BYTES / B) and _close(sum(closed.values()), by_hand)
     # One halving, then doubling on the half window: three steps.
     assert [len(p) for p in sim.plan(ENGINE, "rabenseifner:1", 4, 1, 1000, 4, sim.Shm(), NET)] == [1 + 3] * 4
 

@@ -3,15 +3,17 @@
 // Every operation on several hosts starts with the leaders' header exchange
 // (TcpLinks::exchangeHeaders: recursive doubling whose messages summarize the headers their
 // sender knows). An allreduce whose algorithm is Doubling or Rabenseifner (any halvings),
-// small enough that copying its tensor costs less than the header exchange's steps
-// (schedule/cost.h ridesOnHeaders), carries its data in the same messages (carriedPlan): the host's ranks first reduce a copy of their tensors to the leader, the
+// small enough that copying it once costs less than the header exchange's steps
+// (schedule/cost.h ridesOnHeaders), carries its data in the same messages (carriedPlan): the
+// host's ranks reduce their tensors into a buffer of the leader's own (its `work`), the
 // leaders' schedule runs its first steps inside the header exchange and the rest once every
 // header is known to agree, and every rank checks the headers as usual. Its steps are the
 // header exchange's instead of coming after them: log2(hosts) steps fewer. Which schedule a
 // member carries is a function of its header alone, which every receiver holds before the
 // data, so ranks that issued different operations still read every message whole and all
-// fail with the same CollectiveMismatchError; the work happens on a copy, so the caller's
-// tensor is left as it was then, as the contract says.
+// fail with the same CollectiveMismatchError; the folds change only `work`, and the caller's
+// tensor is written only once every header is known to agree, so a failed one is left as it
+// was, as the contract says.
 #include "core/reduce.h"
 #include "engine/communicator.h"
 
@@ -48,31 +50,32 @@ at::Tensor Communicator::runCarried(Op& op) {
   const auto dtype = static_cast<DType>(header.dtype);
   const auto [rop, scale] = reductionOf(header);
   const size_t count = header.count;
-  at::Tensor copy = op.tensor.clone();
-  char* data = static_cast<char*>(copy.data_ptr());
-  if (header.prescale != 1.0) scaleInPlace(data, count, dtype, header.prescale);
   const bool half = isHalfFloat(dtype);
-  std::vector<float> hostSum(isLeader() && half ? count : 0);
-  if (localOk && shm_) {
-    if (half) {
-      shm_->reduceToLeader(data, count, dtype, rop, hostSum.data());
-    } else {  // staged from the copies: the arena offsets are the callers' tensors'
-      std::vector<OpHeader> staged = all;
-      for (int r : local) staged[r].arenaOffset = -1;
-      shm_->allreduce(data, count, dtype, rop, 1.0, staged);
-    }
-  } else if (half && isLeader()) {
-    widenToFloat(hostSum.data(), data, count, dtype);
+  // What this rank contributes, read only: the caller's tensor, or a copy when prescaled.
+  at::Tensor source = op.tensor;
+  if (header.prescale != 1.0) {
+    source = op.tensor.clone();
+    scaleInPlace(source.data_ptr(), count, dtype, header.prescale);
   }
+  const char* in = static_cast<const char*>(source.data_ptr());
+  // The leader's work: the host's sum (float32 for 16-bit floats), which the folds change.
+  std::vector<char> work(isLeader() ? count * (half ? 4 : elementSize(dtype)) : 0);
+  if (localOk && shm_) {
+    shm_->reduceToLeader(in, count, dtype, rop, work.data());
+  } else if (isLeader() && half) {
+    widenToFloat(reinterpret_cast<float*>(work.data()), in, count, dtype);
+  } else if (isLeader() && count > 0) {
+    std::memcpy(work.data(), in, count * elementSize(dtype));
+  }
+  char* data = static_cast<char*>(op.tensor.data_ptr());
   TcpLinks::Carry carry;
   carry.data = data;
-  carry.hostSum = half ? hostSum.data() : nullptr;
+  carry.work = work.data();
   carry.op = rop;
   carry.scale = scale;
   exchangeHostHeaders(all, &carry);
   checkHeaders(all);
   if (shm_) shm_->broadcast(data, count * elementSize(dtype), 0);
-  op.tensor.copy_(copy);
   if (shm_) shm_->markDone(header.seq);
   return op.tensor;
 }

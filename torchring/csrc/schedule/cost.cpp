@@ -91,7 +91,7 @@ double headerSeconds(int members, const LinkCost& cost) {
   return members <= 1 ? 0 : doublingSteps(members) * cost.alpha;
 }
 
-double carrySeconds(size_t bytes, const LinkCost& cost) { return 2.0 * static_cast<double>(bytes) * cost.gamma; }
+double carrySeconds(size_t bytes, const LinkCost& cost) { return static_cast<double>(bytes) * cost.gamma; }
 
 bool ridesOnHeaders(Algo algo, int members, size_t count, size_t esize, const LinkCost& cost) {
   const size_t work = count * esize;

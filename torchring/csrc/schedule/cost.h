@@ -16,7 +16,7 @@
 namespace torchring {
 
 // The largest allreduce (its partial results' bytes) that may ride on the header exchange
-// (engine/fused.cpp, ridesOnHeaders): it works on a copy of the caller's tensor that large.
+// (engine/fused.cpp, ridesOnHeaders): its leader holds a buffer that large.
 inline constexpr size_t kCarriedLimitBytes = 16 << 20;
 
 // An allreduce's algorithm among hosts and, for Rabenseifner, its halvings (0: all of them;
@@ -52,17 +52,18 @@ double headerSeconds(int members, const LinkCost& cost);
 
 // The cheapest, or `forced` when it is not Auto (Ring forces the ring on every operation;
 // Doubling and Rabenseifner force that allreduce and leave allgather and broadcast to the model).
-// An allreduce's cost counts the header exchange, or for one that rides on it the copies
+// An allreduce's cost counts the header exchange, or for one that rides on it its copy
 // (ridesOnHeaders). Rabenseifner is weighed with every count of halvings.
 AllreduceChoice chooseAllreduce(AllreduceChoice forced, int members, size_t count, size_t esize,
                                 const LinkCost& cost);
-// Seconds of the two copies an allreduce riding on the header exchange makes of its tensor
-// (`bytes`: in, then out once every header is known to agree), at gamma per byte.
+// Seconds of the copy an allreduce riding on the header exchange makes (`bytes`: the tensor
+// into the leader's buffer, or with several ranks per host what the host's stage writes there
+// and the result back), at gamma per byte.
 double carrySeconds(size_t bytes, const LinkCost& cost);
 // True when an allreduce of `count` elements of `esize` bytes (float32 for 16-bit floats)
 // under `algo` among `members` rides on the header exchange (engine/fused.cpp): Doubling or
-// Rabenseifner, at most kCarriedLimitBytes, and its copies cost less than the header
-// exchange's steps they save. Every rank decides alike (the job agrees on `cost`).
+// Rabenseifner, at most kCarriedLimitBytes, and its copy costs less than the header
+// exchange's steps it saves. Every rank decides alike (the job agrees on `cost`).
 bool ridesOnHeaders(Algo algo, int members, size_t count, size_t esize, const LinkCost& cost);
 // Reduce-scatter among hosts: Algo::Ring for the ring reduce-scatter (reduceScatterSchedule),
 // else the allreduce algorithm whose result each host slices (cheaper for small sizes, where

@@ -11,10 +11,10 @@
 
 namespace torchring {
 
-// Reduce to the leader in float32: every rank stages a segment, everyone waits, the leader
-// folds the staged segments into `hostSum`. One synchronization per segment, as broadcast.
-void ShmGroup::reduceToLeader(const char* data, size_t count, DType dtype, ReduceOp op,
-                              float* hostSum) {
+// Reduce to the leader: every rank stages a segment, everyone waits, the leader folds the
+// staged segments into `out` (float32 partial sums for 16-bit floats, else `dtype`). One
+// synchronization per segment, as broadcast. `data` is only read.
+void ShmGroup::reduceToLeader(const char* data, size_t count, DType dtype, ReduceOp op, void* out) {
   const int n = localSize(), me = opt_.localIndex;
   const size_t esize = elementSize(dtype), segmentElems = opt_.segmentBytes / esize;
   std::vector<const void*> srcs(n);
@@ -26,7 +26,11 @@ void ShmGroup::reduceToLeader(const char* data, size_t count, DType dtype, Reduc
     waitAll();
     if (me != 0) continue;
     for (int p = 0; p < n; ++p) srcs[p] = staging(p, buf);
-    reduceToFloat(hostSum + start, srcs.data(), n, len, dtype, op);
+    if (isHalfFloat(dtype)) {
+      reduceToFloat(static_cast<float*>(out) + start, srcs.data(), n, len, dtype, op);
+    } else {
+      reduceInto(static_cast<char*>(out) + start * esize, nullptr, srcs.data(), n, len, dtype, op);
+    }
   }
 }
 

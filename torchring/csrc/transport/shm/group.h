@@ -96,9 +96,9 @@ class ShmGroup {
   void reduceScatter(const char* input, char* out, size_t count, DType dtype, ReduceOp op,
                      double scale);
   void broadcast(char* data, size_t bytes, int rootIndex);
-  // 16-bit floats across hosts: the leader (local index 0) gets the float32 sum of every
-  // local rank's `data` in `hostSum`; the others only contribute.
-  void reduceToLeader(const char* data, size_t count, DType dtype, ReduceOp op, float* hostSum);
+  // The leader (local index 0) gets the sum of every local rank's `data` in `out`: float32
+  // partial sums for 16-bit floats, else `dtype`; the others only contribute. `data` is read.
+  void reduceToLeader(const char* data, size_t count, DType dtype, ReduceOp op, void* out);
   // chunks[i] = (offset into out, bytes) of local rank i's chunk; src is this rank's chunk.
   void allgather(const char* src, char* out, const std::vector<std::pair<size_t, size_t>>& chunks);
 

@@ -68,7 +68,7 @@ bool TcpLinks::exchangeHeaders(std::vector<OpHeader>& all, const std::vector<std
   const bool carrying = !plan.steps.empty();
   const auto dtype = static_cast<DType>(own.dtype);
   const bool half = isHalfFloat(dtype);
-  char* work = half ? reinterpret_cast<char*>(carry.hostSum) : carry.data;
+  char* work = carry.work;
   const DType workType = half ? DType::F32 : dtype;
   const size_t foldUnit = elementSize(workType), copyUnit = elementSize(dtype);
   const size_t segBytes = std::max(foldUnit, opt_.segmentBytes / foldUnit * foldUnit);
@@ -162,7 +162,7 @@ bool TcpLinks::exchangeHeaders(std::vector<OpHeader>& all, const std::vector<std
 
   for (size_t j = 0; j < coreEnd; ++j) headerStep(j);
   if (carrying && mine.agree) {
-    finishOwned(plan.owned, carry.data, carry.hostSum, dtype, carry.scale);
+    finishOwned(plan.owned, carry.data, work, dtype, carry.scale);
     const size_t end = plan.steps.size() - (folds(me) ? 1 : 0);
     for (size_t i = coreEnd; i < end; ++i) {  // Rabenseifner's way back
       const Step& step = plan.steps[i];

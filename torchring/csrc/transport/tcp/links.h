@@ -78,8 +78,9 @@ class TcpLinks {
   // The allreduce an operation's header exchange carries (engine/fused.cpp), for this
   // member's own header (its count and dtype), and the rule for every member's.
   struct Carry {
-    char* data = nullptr;      // this host's sum, reduced in place into the result
-    float* hostSum = nullptr;  // 16-bit floats: the float32 partial sums the folds run on
+    char* data = nullptr;  // the result: written only once every header is known to agree
+    char* work = nullptr;  // this host's sum, which the fold steps send and fold into (float32
+                           // partial sums for 16-bit floats, else data's dtype; not `data`)
     ReduceOp op = ReduceOp::SUM;
     double scale = 1.0;        // applied once to the result (AVG's 1/size, the postscale)
     // The allreduce schedule a member whose header is `header` carries (no steps: it carries
@@ -127,8 +128,9 @@ class TcpLinks {
   // units of `type`) into `work` at those ranges.
   static void foldRanges(char* work, const std::vector<Range>& ranges, const char* received, DType type,
                          ReduceOp op, size_t lo, size_t hi);
-  // steps.cpp: the fold steps are over: scale `owned` of `data` once, or round it from hostSum.
-  static void finishOwned(const std::vector<Range>& owned, char* data, const float* hostSum, DType dtype,
+  // steps.cpp: the fold steps are over: `owned` of `data` made from `work` (the float32
+  // partial sums for 16-bit floats, rounded; else copied unless it is `data`), scaled once.
+  static void finishOwned(const std::vector<Range>& owned, char* data, const char* work, DType dtype,
                           double scale);
   // steps.cpp: any allreduce schedule, one step at a time, folding as bytes arrive.
   void stepAllreduce(const Schedule& schedule, char* data, size_t count, DType dtype, ReduceOp op,

@@ -8,6 +8,7 @@
 // bytes still to be sent. When the fold steps are over, the `owned` units are complete: they
 // are scaled (or rounded to 16 bits) once, into `data`, and the copy steps move `data`.
 #include <algorithm>
+#include <cstring>
 
 #include "core/reduce.h"
 #include "transport/tcp/links.h"
@@ -38,15 +39,17 @@ void TcpLinks::foldRanges(char* work, const std::vector<Range>& ranges, const ch
   }
 }
 
-void TcpLinks::finishOwned(const std::vector<Range>& owned, char* data, const float* hostSum, DType dtype,
+void TcpLinks::finishOwned(const std::vector<Range>& owned, char* data, const char* work, DType dtype,
                            double scale) {
   const size_t outSize = elementSize(dtype);
   for (const Range& r : owned) {
+    char* out = data + r.first * outSize;
     if (isHalfFloat(dtype)) {
-      narrowFromFloat(data + r.first * outSize, hostSum + r.first, r.count, dtype, scale);
-    } else if (scale != 1.0) {
-      scaleInPlace(data + r.first * outSize, r.count, dtype, scale);
+      narrowFromFloat(out, reinterpret_cast<const float*>(work) + r.first, r.count, dtype, scale);
+      continue;
     }
+    if (work != data && r.count > 0) std::memcpy(out, work + r.first * outSize, r.count * outSize);
+    if (scale != 1.0) scaleInPlace(out, r.count, dtype, scale);
   }
 }
 
@@ -82,7 +85,7 @@ void TcpLinks::stepAllreduce(const Schedule& schedule, char* data, size_t count,
   const size_t segBytes = std::max(esize, opt_.segmentBytes / esize * esize);
   bool finished = false;
   auto finish = [&] {  // the owned units are complete: scale or round them once
-    finishOwned(schedule.owned, data, hostSum, dtype, scale);
+    finishOwned(schedule.owned, data, work, dtype, scale);
     finished = true;
   };
   for (const Step& step : schedule.steps) {
