@@ -180,7 +180,8 @@ def closed_form(E: Any, algo: str, hosts: int, per_host: int, count: int, esize:
                 shm: Shm) -> dict[str, float]:
     """The cost model's seconds by stage, summing to the whole: "allreduce" the algorithm's own
     (E.allreduce_seconds), "header" what the header exchange adds to it (the step rule along its
-    slowest leader; for an allreduce riding on it, only its header bytes), "shm" the stages."""
+    slowest leader; for an allreduce riding on it, its summaries' bytes and its copy), "shm" the
+    stages."""
     alone = E.allreduce_seconds(algo, hosts, count, esize, net.alpha, net.beta, net.gamma)
     if rides(E, algo, hosts, count, esize, net):
         head = (max(step_sum(s, net) for s in carried_steps(E, algo, hosts, count, esize)) - alone

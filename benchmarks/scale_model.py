@@ -11,7 +11,8 @@
 Method. benchmarks/_scale_sim.py reads every host leader's steps from the engine's bindings
 (the header exchange every operation starts with: Doubling's steps, E.allreduce_schedule, each
 message a 152-byte summary of the headers its sender knows; then E.allreduce_schedule for
-the data, or a small Doubling allreduce's data riding on the header exchange), adds the host's
+the data, or, for a Doubling or Rabenseifner allreduce riding on the header exchange, its own
+schedule carrying the summaries on its first steps and the copy E.carry_seconds), adds the host's
 shared-memory stages (a + n/bw before, for the host's reduce, and after, for its broadcast; none at
 one rank per host) and replays them as messages over one full-duplex NIC per leader (bandwidth B
 each way, max-min fair sharing of every link, eager sends), a step costing s (software,
@@ -77,16 +78,16 @@ from _harness import common_args, finish, machine_info, print_header  # noqa: E4
 from _sizes import fmt_size, parse_size  # noqa: E402
 
 MARK = {"ring": "r", "doubling": "d", "rabenseifner": "h"}  # h: recursive halving + doubling
+DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp64": 8, "float64": 8, "bf16": 2, "bfloat16": 2, "fp16": 2,
+               "float16": 2}
+DEFAULT_SIZES = ",".join(str(4 ** k) for k in range(1, 15))  # 4 B .. 256 MiB
+QUICK_SIZES = ",".join(str(4 * 16 ** k) for k in range(7))  # 4 B .. 64 MiB
 
 
 def _mark(algo: str) -> str:
     """The table's letter for an algorithm: r, d, h (all halvings), hK (K halvings, then doubling)."""
     word, _, levels = algo.partition(":")
     return MARK[word] + levels
-DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp64": 8, "float64": 8, "bf16": 2, "bfloat16": 2, "fp16": 2,
-               "float16": 2}
-DEFAULT_SIZES = ",".join(str(4 ** k) for k in range(1, 15))  # 4 B .. 256 MiB
-QUICK_SIZES = ",".join(str(4 * 16 ** k) for k in range(7))  # 4 B .. 64 MiB
 
 
 def _engine() -> Any:
@@ -159,7 +160,7 @@ def print_projection(rows: list[dict], goal: float) -> None:
                 cells.append(f"{c['ratio']:.2f}{_mark(c['algo']) if label == 'choice' else ''}"
                              f"{'*' if c['ratio'] > goal else ''}")
             print(f"| {h} | {rate:g} | {lat:g} | " + " | ".join(cells) + " |")
-    print(f"\nworst ratio per (hosts, rate, D) [size, algorithm]; data = without the header exchange")
+    print("\nworst ratio per (hosts, rate, D) [size, algorithm]; data = without the header exchange")
     print("| hosts | Gbit/s | D µs | α µs | choice/bound | choice data/bound | ring/bound | sizes above goal |")
     print("|---|---|---|---|---|---|---|---|")
     for h, rate, lat in keys:

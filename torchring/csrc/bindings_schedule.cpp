@@ -171,7 +171,7 @@ void bindSchedules(py::module_& m) {
         return carrySeconds(bytes, {alpha, beta, gamma});
       },
       py::arg("bytes"), py::arg("alpha"), py::arg("beta"), py::arg("gamma"),
-      "the copies an allreduce riding on the header exchange makes");
+      "the copy an allreduce riding on the header exchange makes");
 }
 
 }  // namespace torchring

@@ -386,7 +386,7 @@ at::Tensor Communicator::run(Op& op) {
   if (tcp_) {
     tcp_->setOp(header);
   }
-  if (numHosts() > 1 && !carriedPlan(header, hostIndex_).steps.empty()) return runCarried(op);
+  if (numHosts() > 1 && ridesOnHeaders(header)) return runCarried(op);
   std::vector<OpHeader> headers = exchangeHeaders(header, op.tensor);
   checkHeaders(headers);
   if (header.onGpu) {  // NCCL moves this operation's data

@@ -3,7 +3,7 @@
 // the header checks and failure handling; failure_board.cpp how failures are told and read
 // through the store; hierarchy.cpp the algorithms that compose the shared-memory group and
 // the leaders' TCP links (within a host, then between hosts) and which one each operation
-// runs; fused.cpp the header exchange among hosts and the small allreduces riding on it.
+// runs; fused.cpp the header exchange among hosts and the allreduces riding on it.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -194,8 +194,10 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // The op to fold with and the factor for the full sum: AVG folds as SUM, and its 1/size and
   // the postscale are applied once, to the full-precision sum.
   std::pair<ReduceOp, double> reductionOf(const OpHeader& header) const;
-  // fused.cpp: the leaders' header exchange and the allreduces that ride on it. The
-  // schedule among hosts that `member`, whose header is `header`, carries (none: no steps).
+  // fused.cpp: the leaders' header exchange and the allreduces that ride on it: whether the
+  // operation of `header` rides (schedule/cost.h ridesOnHeaders), and the schedule among hosts
+  // that `member`, whose header is `header`, then carries (none: no steps).
+  bool ridesOnHeaders(const OpHeader& header) const;
   Schedule carriedPlan(const OpHeader& header, int member) const;
   // `all` holds this host's headers; fills the others (carry: what this operation carries;
   // its planOf is set here, from the headers, for every operation alike).

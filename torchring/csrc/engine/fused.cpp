@@ -19,12 +19,16 @@
 
 namespace torchring {
 
-Schedule Communicator::carriedPlan(const OpHeader& header, int member) const {
-  if (static_cast<OpKind>(header.kind) != OpKind::ALLREDUCE || header.onGpu) return {};
+bool Communicator::ridesOnHeaders(const OpHeader& header) const {
+  if (static_cast<OpKind>(header.kind) != OpKind::ALLREDUCE || header.onGpu) return false;
   const auto dtype = static_cast<DType>(header.dtype);
-  const auto algo = static_cast<Algo>(header.algo);
-  if (!ridesOnHeaders(algo, numHosts(), header.count, isHalfFloat(dtype) ? 4 : elementSize(dtype), cost_)) return {};
-  return allreduceSchedule(algo, numHosts(), member, header.count, header.levels);
+  return torchring::ridesOnHeaders(static_cast<Algo>(header.algo), numHosts(), header.count,
+                                   isHalfFloat(dtype) ? 4 : elementSize(dtype), cost_);
+}
+
+Schedule Communicator::carriedPlan(const OpHeader& header, int member) const {
+  if (!ridesOnHeaders(header)) return {};
+  return allreduceSchedule(static_cast<Algo>(header.algo), numHosts(), member, header.count, header.levels);
 }
 
 void Communicator::exchangeHostHeaders(std::vector<OpHeader>& all, const TcpLinks::Carry* carry) {

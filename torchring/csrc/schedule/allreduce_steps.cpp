@@ -71,12 +71,7 @@ int memberOf(int members, int core) {
   return core < rem ? 2 * core + 1 : core + rem;
 }
 
-int doublingSteps(int members) {
-  const int p2 = powerOfTwoBelow(members);
-  int steps = members > p2 ? 2 : 0;
-  for (int mask = 1; mask < p2; mask <<= 1) ++steps;
-  return steps;
-}
+int doublingSteps(int members) { return coreLevels(members) + (members > powerOfTwoBelow(members) ? 2 : 0); }
 
 namespace {
 

@@ -72,11 +72,6 @@ bool TcpLinks::exchangeHeaders(std::vector<OpHeader>& all, const std::vector<std
   const DType workType = half ? DType::F32 : dtype;
   const size_t foldUnit = elementSize(workType), copyUnit = elementSize(dtype);
   const size_t segBytes = std::max(foldUnit, opt_.segmentBytes / foldUnit * foldUnit);
-  auto spans = [](const std::vector<Range>& ranges, char* base, size_t unit) {
-    std::vector<Span> out;
-    for (const Range& r : ranges) out.push_back({base + r.first * unit, r.count * unit});
-    return out;
-  };
   bool fits = true;
 
   // Header step j: the summary and this member's plan step (the same index, or the plan's
@@ -90,7 +85,7 @@ bool TcpLinks::exchangeHeaders(std::vector<OpHeader>& all, const std::vector<std
     if (step.sendTo >= 0) {
       send.push_back({reinterpret_cast<char*>(&mine), sizeof(HeaderSummary)});
       if (mineStep && (!foldOut || mine.agree)) {
-        for (const Span& s : spans(mineStep->send, mineStep->fold ? work : carry.data,
+        for (const Span& s : spansOf(mineStep->send, mineStep->fold ? work : carry.data,
                                    mineStep->fold ? foldUnit : copyUnit)) {
           send.push_back(s);
         }
@@ -105,7 +100,7 @@ bool TcpLinks::exchangeHeaders(std::vector<OpHeader>& all, const std::vector<std
           if (scratch_.size() < expected) scratch_.resize(expected);
           recv.push_back({scratch_.data(), expected});
         } else {
-          for (const Span& s : spans(mineStep->recv, carry.data, copyUnit)) recv.push_back(s);
+          for (const Span& s : spansOf(mineStep->recv, carry.data, copyUnit)) recv.push_back(s);
         }
       }
     }
@@ -166,8 +161,8 @@ bool TcpLinks::exchangeHeaders(std::vector<OpHeader>& all, const std::vector<std
     const size_t end = plan.steps.size() - (folds(me) ? 1 : 0);
     for (size_t i = coreEnd; i < end; ++i) {  // Rabenseifner's way back
       const Step& step = plan.steps[i];
-      exchange(step.sendTo, spans(step.send, carry.data, copyUnit), step.recvFrom,
-               spans(step.recv, carry.data, copyUnit));
+      exchange(step.sendTo, spansOf(step.send, carry.data, copyUnit), step.recvFrom,
+               spansOf(step.recv, carry.data, copyUnit));
     }
   }
   if (coreEnd == last) headerStep(last);

@@ -168,9 +168,9 @@ void TcpLinks::fail(const std::string& why, int member, const std::string& advic
 // alpha: what one step of a log-depth schedule costs whatever its size (the wire's latency
 // plus the wake-ups and calls on both ends, with every member busy at once): the median of 5
 // blocks of 8 runs of the recursive doubling schedule (schedule/schedule.h, with its fold)
-// with 8-byte messages, after one run, per run and divided by the longest member's step count. beta: rounds in
-// which every member sends 1 MiB to its right neighbour and receives 1 MiB from its left one,
-// the fastest of three, less alpha, per byte.
+// with 8-byte messages, after one run, per run and divided by the longest member's step
+// count. beta: rounds in which every member sends 1 MiB to its right neighbour and receives
+// 1 MiB from its left one, the fastest of three, less alpha, per byte.
 LinkCost TcpLinks::measure() {
   LinkCost cost;
   if (members() < 2) return cost;

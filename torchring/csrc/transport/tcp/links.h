@@ -124,6 +124,8 @@ class TcpLinks {
   // steps.cpp: `hostSum`, or for 16-bit floats without one `data` widened to float32 (what
   // the folds run on); nullptr for other dtypes.
   float* partialSums(char* data, size_t count, DType dtype, float* hostSum);
+  // steps.cpp: the spans of `ranges` (in units of `unit` bytes) in the buffer at `base`.
+  static std::vector<Span> spansOf(const std::vector<Range>& ranges, char* base, size_t unit);
   // steps.cpp: folds bytes [lo, hi) of `received` (a receive stream of `ranges` in order,
   // units of `type`) into `work` at those ranges.
   static void foldRanges(char* work, const std::vector<Range>& ranges, const char* received, DType type,

@@ -14,15 +14,12 @@
 #include "transport/tcp/links.h"
 
 namespace torchring {
-namespace {
 
-std::vector<Span> spansOf(const std::vector<Range>& ranges, char* base, size_t unit) {
+std::vector<Span> TcpLinks::spansOf(const std::vector<Range>& ranges, char* base, size_t unit) {
   std::vector<Span> out;
   for (const Range& r : ranges) out.push_back({base + r.first * unit, r.count * unit});
   return out;
 }
-
-}  // namespace
 
 void TcpLinks::foldRanges(char* work, const std::vector<Range>& ranges, const char* received, DType type, ReduceOp op,
                           size_t lo, size_t hi) {
