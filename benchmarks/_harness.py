@@ -46,7 +46,10 @@ def copy_bandwidth(nbytes: int = 256 * 2**20, reps: int = 5) -> float:
 
 
 def commit() -> str:
-    """The checkout's commit (with '+dirty' when files differ from it), or 'unknown'."""
+    """The checkout's commit (with '+dirty' when files differ from it), or 'unknown';
+    TORCHRING_BENCH_COMMIT names it where the copy being run has no git history."""
+    if os.environ.get("TORCHRING_BENCH_COMMIT"):
+        return os.environ["TORCHRING_BENCH_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=_ROOT, capture_output=True,
                               text=True, timeout=10).stdout.strip()
@@ -87,6 +90,15 @@ def common_args(parser: argparse.ArgumentParser, quick: str | None = None) -> No
     parser.add_argument("--json", help="also write the machine, the arguments and every row to this JSON file")
     if quick is not None:
         parser.add_argument("--quick", action="store_true", help=quick)
+
+
+def parse_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """parser.parse_args(); with TORCHRING_BENCH_PARSE_ONLY=1 the script stops here, once its
+    imports and arguments are known to be good (benchmarks/gpu_suite.py --dry-run)."""
+    args = parser.parse_args()
+    if os.environ.get("TORCHRING_BENCH_PARSE_ONLY") == "1":
+        raise SystemExit(0)
+    return args
 
 
 def print_header(title: str, info: dict[str, Any], *extra: str) -> None:

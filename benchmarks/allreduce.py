@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _peers  # noqa: E402  (benchmarks/ is on sys.path as the script's folder)
 import _plot  # noqa: E402
 from _harness import (DTYPES, common_args, copy_bandwidth, finish, machine_info, max_over_ranks,  # noqa: E402
-                      oversubscribed, print_header, rank_env, reporting, run_world, sum_over_ranks)
+                      oversubscribed, parse_args, print_header, rank_env, reporting, run_world, sum_over_ranks)
 from _sizes import fmt_size, parse_size  # noqa: E402
 
 DEFAULT_SIZES = "4,4K,64K,256K,1M,16M,64M,256M"
@@ -192,7 +192,7 @@ def main() -> None:
     parser.add_argument("--plot", help="also draw time vs size per library into this PNG (matplotlib)")
     common_args(parser, quick="world 2; 4K,1M,16M; 3 trials of ~0.1 s")
     parser.add_argument("--rank-of", help=argparse.SUPPRESS)  # PORT:ROWS_FILE, set for ranks mpirun starts
-    args = parser.parse_args()
+    args = parse_args(parser)
     if args.rank_of:
         port, rows = args.rank_of.split(":", 1)
         rank, world = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])

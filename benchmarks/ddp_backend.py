@@ -66,7 +66,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from _harness import (common_args, finish, machine_info, max_over_ranks, oversubscribed,  # noqa: E402
+from _harness import (common_args, finish, machine_info, max_over_ranks, oversubscribed, parse_args,  # noqa: E402
                       print_header, rank_env, reporting, run_world, sum_over_ranks)
 from _models import mlp, timed_steps  # noqa: E402
 from _sizes import fmt_size, parse_size  # noqa: E402
@@ -329,7 +329,7 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=9, help="latency trials per size (default 9)")
     parser.add_argument("--trial-s", type=float, default=0.05, help="latency: seconds per trial (default 0.05)")
     common_args(parser, quick="smoke run: width 256, 2 rounds of 2 steps, sizes 4,64K, 3 trials of ~0.01 s")
-    args = parser.parse_args()
+    args = parse_args(parser)
     if args.quick:
         args.width, args.rounds, args.steps, args.sizes, args.trials, args.trial_s = 256, 2, 2, "4,64K", 3, 0.01
     args.only = [s for s in args.only.split(",") if s]

@@ -41,6 +41,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _harness import parse_args  # noqa: E402
 from _models import mlp, timed_steps  # noqa: E402
 
 
@@ -132,7 +133,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="cuda: the peer is DDP over NCCL (gloo when ranks share a GPU)")
     parser.add_argument("--json", help="write the results here")
-    args = parser.parse_args()
+    args = parse_args(parser)
 
     import torch.distributed as dist
 
@@ -167,7 +168,8 @@ def main() -> None:
         rounds = ", ".join(f"{x * 1e3:.1f}" for x in v)
         print(f"| {k} | {med[k] * 1e3:.1f} | {rounds} | {ratio(k, 'compute'):.3f}x | "
               f"{statistics.median(report['faults'][k]):.0f} |")
-    print(f"\ntorchring / ddp = {ratio('torchring', 'ddp'):.3f}, torchring / compute = "
+    print(f"\ntorchring / ddp = {ratio('torchring', 'ddp'):.3f}, torchring / single = "
+          f"{ratio('torchring', 'single'):.3f}, torchring / compute = "
           f"{ratio('torchring', 'compute'):.3f}, torchring / compute+pool = "
           f"{ratio('torchring', 'compute+pool'):.3f}, ddp / compute = {ratio('ddp', 'compute'):.3f} "
           f"(medians of per-round ratios), bare allreduce of the gradient = {bare * 1e3:.1f} ms, "
@@ -180,6 +182,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "median_s": med, "bare_allreduce_s": bare,
                        "ratios": {"torchring/ddp": ratio("torchring", "ddp"),
+                                  "torchring/single": ratio("torchring", "single"),
                                   "torchring/compute": ratio("torchring", "compute"),
                                   "torchring/compute+pool": ratio("torchring", "compute+pool"),
                                   "ddp/compute": ratio("ddp", "compute")}, **report}, f, indent=1)

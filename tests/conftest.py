@@ -12,13 +12,14 @@ sys.path[:0] = [os.path.join(_TESTS, "support"), os.path.dirname(_TESTS)]
 os.environ.setdefault("TORCHRING_TIMEOUT", "30")
 
 # GPU tests need a CUDA device; on machines without one they are not collected at all
-# (benchmarks/gpu_suite.sh runs them where a GPU exists).
+# (benchmarks/gpu_suite.py runs them where a GPU exists; its --dry-run collects them anyway,
+# TORCHRING_COLLECT_GPU_TESTS=1, to check their imports).
 try:
     import torch as _torch
     _HAS_CUDA = _torch.cuda.is_available()
 except ImportError:
     _HAS_CUDA = False
-collect_ignore_glob = [] if _HAS_CUDA else ["gpu/*"]
+collect_ignore_glob = [] if _HAS_CUDA or os.environ.get("TORCHRING_COLLECT_GPU_TESTS") == "1" else ["gpu/*"]
 
 _SPAWNING = tuple(os.path.join(_TESTS, d) + os.sep for d in ("spawned", "gpu"))
 

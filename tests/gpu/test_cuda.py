@@ -2,7 +2,10 @@
 
 World 1 goes over NCCL; worlds 2-4 share the one GPU, which NCCL refuses, so they take the
 staged path (pinned host buffers through the CPU engine). Every result is compared with a
-single-process reference computed on the GPU."""
+single-process reference computed on the GPU. The collectives job also runs every collective of
+torchring.__all__ in its blocking, in-place and _async forms (tests/gpu/_device_collectives.py);
+the torch.distributed backend, torchring.horovod and the failure paths on CUDA have files of
+their own (test_cuda_c10d.py, test_cuda_horovod.py, test_cuda_failures.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from _checks import DTYPES, expected_allreduce, rank_input, valid_ops
+from _checks import DTYPES, assert_no_failures, expected_allreduce, rank_input, valid_ops
+from _device_collectives import device_checks
 from _dist import spawn
 
 
@@ -51,7 +55,7 @@ def _collectives(rank: int, expected_path: str) -> list[str]:
         full = sum(torch.arange(world * 8, dtype=torch.float32).reshape(world * 4, 2) + r for r in range(world))
         if not torch.equal(got.cpu(), full[rank * 4:(rank + 1) * 4]):
             bad.append("reduce_scatter")
-        return bad
+        return bad + device_checks(rank, world, dev)
     finally:
         torchring.shutdown()
 
@@ -106,16 +110,14 @@ def _wrap_parity(rank: int, mixed: bool = False) -> list[str]:
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_collectives_on_cuda(world: int) -> None:
     path = "nccl" if world == 1 or torch.cuda.device_count() >= world else "staged"
-    for failures in spawn(world, _collectives, path, timeout=600):
-        assert failures == []
+    assert_no_failures(spawn(world, _collectives, path, timeout=600))
 
 
 def test_forced_staged_path() -> None:
-    for failures in spawn(1, _collectives, "staged", env={"TORCHRING_CUDA_PATH": "staged"}):
-        assert failures == []
+    assert_no_failures(spawn(1, _collectives, "staged", env={"TORCHRING_CUDA_PATH": "staged"}))
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_wrap_parity_on_cuda(world: int) -> None:
     for failures in spawn(world, _wrap_parity, timeout=600):
         assert failures == []
