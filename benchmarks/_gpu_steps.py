@@ -34,6 +34,7 @@ class Step:
     fallback_why: str = ""
     env: dict[str, str] = field(default_factory=dict)
     beside: tuple[str, ...] | None = None  # started with the step, waited for at its end
+    required: bool = False  # if it fails, the steps after it would only fail again: the run stops
 
     def _argv(self, args: tuple[str, ...], work: object) -> list[str]:
         return [sys.executable, *(a.replace("{work}", str(work)) for a in args)]
@@ -65,9 +66,9 @@ class Step:
 def _parallel() -> tuple[str, ...]:
     """pytest-xdist's four workers where it is installed (the GPU tests spend most of their time
     starting ranks and CUDA contexts, which overlap well on sixteen cores), and pytest-timeout's
-    limit per test where that is, so one hung test costs 100 s, not the whole step."""
+    limit per test where that is, so one hung test costs 80 s, not the whole step."""
     found = importlib.util.find_spec
-    return (("-n", "4") if found("xdist") else ()) + (("--timeout", "100") if found("pytest_timeout") else ())
+    return (("-n", "4") if found("xdist") else ()) + (("--timeout", "80") if found("pytest_timeout") else ())
 
 
 def _cpu_allreduce(world: int, limit_s: float, min_s: float, dry: bool = False) -> Step:
@@ -96,9 +97,9 @@ STEPS: list[Step] = [
          dry=("benchmarks/gpu_machine.py", "--json", "{work}/machine.json")),
     Step("build", "the engine with the NCCL path, every core",
          ("-m", "torchring.build"), 300, 60, parse=("-m", "torchring.build", "--help"), dry=("-m", "torchring.build"),
-         beside=DEEPSPEED_OP),
+         beside=DEEPSPEED_OP, required=True),
     Step("tests", "tests/gpu: NCCL at world 1, the staged path at worlds 2-4, wrap, horovod, c10d, failures",
-         (*TESTS, *_parallel(), "--junitxml", "{work}/gpu-tests.xml"), 180, 60,
+         (*TESTS, *_parallel(), "--junitxml", "{work}/gpu-tests.xml"), 150, 60,
          parse=("-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests/gpu")),
     Step("nccl-allreduce", "torchring's NCCL allreduce vs torch.distributed NCCL, world 1, 4 KiB-256 MiB",
          ("benchmarks/allreduce.py", "--device", "cuda", "--worlds", "1", "--sizes", "4K,64K,1M,16M,64M,256M",

@@ -63,6 +63,8 @@ def install_wheels(wheels: Path, prefix: Path, out: Path, env: dict[str, str]) -
     site = prefix / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
     env["PYTHONPATH"] = os.pathsep.join([str(site), env["PYTHONPATH"]])
     env["PATH"] = os.pathsep.join([str(prefix / "bin"), env["PATH"]])
+    # The wheel's libmpi before a system Open MPI's: mpi4py must load the library of the mpirun it runs under.
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(prefix / "lib"), env.get("LD_LIBRARY_PATH", "")) if p)
 
 
 def run_step(step: Step, argv: list[str], env: dict[str, str], limit: float, out: Path) -> tuple[int, float]:
@@ -176,8 +178,11 @@ def main() -> int:
     log(out, f"# gpu_suite {'--dry-run ' if args.dry_run else ''}on {os.cpu_count()} cores, "
              f"python {sys.version.split()[0]}, steps {[s.name for s in wanted]}, budget {args.budget_s:.0f} s")
     summary = ["| step | exit | seconds | what |", "|---|---|---|---|"]
-    failed = 0
+    failed, stopped = 0, ""
     for step in wanted:
+        if stopped:
+            summary.append(f"| {step.name} | not run | 0 | {stopped} failed |")
+            continue
         runs = [("", step.argv(work), {})]
         if args.dry_run:
             runs = [("parse", step.parse_argv(work), {"TORCHRING_BENCH_PARSE_ONLY": "1",
@@ -196,7 +201,7 @@ def main() -> int:
                                 step.limit_s if args.dry_run else min(step.limit_s, left), out)
             if beside is not None:
                 finish_beside(step, beside, max(deadline - time.monotonic(), 5.0), work, out)
-            if rc != 0 and step.fallback is not None and not kind:
+            if rc not in (0, 124) and step.fallback is not None and not kind:
                 log(out, f"(exit {rc}: {step.name} again without the peers, {step.fallback_why})")
                 argv = step.fallback_argv(work)
                 rc2, secs2 = run_step(step, argv, dict(env, **step.env),
@@ -205,6 +210,8 @@ def main() -> int:
                 label, rc, secs = f"{label} (fallback)", rc2, secs2
             summary.append(f"| {label} | {rc} | {secs:.0f} | {step.what} |")
             failed += rc != 0
+            if rc != 0 and step.required and not kind:
+                stopped = step.name
             if step.name == "build" and rc == 0 and not args.dry_run:
                 pack_engine(out, cache)
             for produced in [out / "gpu_suite.log"]:

@@ -23,10 +23,33 @@
 #include <ATen/core/ivalue.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include <sstream>
 
 namespace torchring {
+
+namespace {
+
+// Names that differ between the torch releases the engine builds against: the PREMUL_SUM factor's
+// type is NCCLPreMulSumSupplement up to torch 2.11 and an alias of PreMulSumSupplement after, and
+// OpType::REDUCE_SCATTER_TENSOR_COALESCED came after 2.11 (before, the work is labelled
+// _REDUCE_SCATTER_BASE, the op it is made of).
+template <typename T, typename = void>
+struct HasReduceScatterCoalesced : std::false_type {};
+template <typename T>
+struct HasReduceScatterCoalesced<T, std::void_t<decltype(T::REDUCE_SCATTER_TENSOR_COALESCED)>> : std::true_type {};
+
+template <typename T = c10d::OpType>
+constexpr T reduceScatterCoalescedOp() {
+  if constexpr (HasReduceScatterCoalesced<T>::value) {
+    return T::REDUCE_SCATTER_TENSOR_COALESCED;
+  } else {
+    return T::_REDUCE_SCATTER_BASE;
+  }
+}
+
+}  // namespace
 
 C10dBackend::C10dBackend(std::shared_ptr<Communicator> comm, int rank, int size, std::string label)
     : c10d::Backend(rank, size), comm_(std::move(comm)), completer_(std::make_shared<Completer>()),
@@ -73,7 +96,7 @@ std::pair<ReduceOp, double> C10dBackend::reduceOp(const c10d::ReduceOp& op, cons
     case c10d::ReduceOp::PRODUCT:
       return {ReduceOp::PRODUCT, 1.0};
     case c10d::ReduceOp::PREMUL_SUM: {
-      auto* factor = dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
+      auto* factor = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
       TORCH_CHECK_VALUE(factor != nullptr, where(what), ": PREMUL_SUM without its factor");
       DType dtype;  // the dtype x op rule of common.h: factors need a floating dtype
       TORCH_CHECK_VALUE(engineDType(like.scalar_type(), &dtype) &&
@@ -389,7 +412,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::ReduceScatterOptions& opts) {
   TORCH_CHECK_VALUE(outputs.size() == inputs.size(), where("reduce_scatter_tensor_coalesced"),
                     ": ", outputs.size(), " outputs for ", inputs.size(), " inputs");
-  auto work = make(c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED, outputs);
+  auto work = make(reduceScatterCoalescedOp(), outputs);
   for (size_t i = 0; i < inputs.size(); ++i) {
     checked(inputs[i], "reduce_scatter_tensor_coalesced", "an input");
     checked(outputs[i], "reduce_scatter_tensor_coalesced", "an output");
