@@ -82,11 +82,15 @@ def cpu_flags() -> dict[str, Any]:
 
 
 def toolchain() -> dict[str, Any]:
-    """Where the engine's build finds the CUDA toolkit and NCCL (None: it builds without the NCCL path)."""
+    """Where the engine's build finds the CUDA toolkit and NCCL (None: it builds without the NCCL
+    path), and each candidate compiler's verdict from the build's probe (torchring/_core/toolchain.py)."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from torchring._core import toolchain
     from torchring._core.build import cuda_home, nccl_paths
 
-    return {"cuda_home": cuda_home(), "nccl_paths": nccl_paths()}
+    compilers = {c: toolchain.probe(c, ["-O2"]) or "ok" for c in toolchain.candidates()}
+    return {"cuda_home": cuda_home(), "nccl_paths": nccl_paths(), "CXX": os.environ.get("CXX"),
+            "compilers (probe)": compilers}
 
 
 def main() -> None:

@@ -207,6 +207,7 @@ def main() -> int:
                 rc2, secs2 = run_step(step, argv, dict(env, **step.env),
                                       min(step.limit_s, max(deadline - time.monotonic(), 1.0)), out)
                 summary.append(f"| {label} | {rc} | {secs:.0f} | {step.what} |")
+                failed += 1  # a peer's failure is a finding too, even when the retry passes
                 label, rc, secs = f"{label} (fallback)", rc2, secs2
             summary.append(f"| {label} | {rc} | {secs:.0f} | {step.what} |")
             failed += rc != 0
@@ -218,6 +219,7 @@ def main() -> int:
                 shutil.copy(produced, work / produced.name)
             pack(out, work)
             (out / "summary.md").write_text("\n".join(summary) + "\n")
+    (out / "summary.md").write_text("\n".join(summary) + "\n")
     log(out, "\n" + "\n".join(summary))
     return 1 if failed else 0
 

@@ -23,10 +23,17 @@ def report() -> dict:
     info.update(
         torch=torch.__version__,
         flags=" ".join(_build.flags()),
+        compiler=_compiler_used(),
         cache=str(_build.build_dir()),
         load_seconds=round(time.time() - start, 2),
     )
     return info
+
+
+def _compiler_used() -> str:
+    """The compiler the cached engine was built with (toolchain.choose's pick), if recorded."""
+    recorded = _build.build_dir() / "compiler"
+    return recorded.read_text() if recorded.exists() else "unknown (built before it was recorded)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  cuda       : {'yes' if info['cuda'] else 'no'}")
     print(f"  float16    : {info['float16_kernel']}")
     print(f"  torch      : {info['torch']}")
+    print(f"  compiler   : {info['compiler']}")
     print(f"  flags      : {info['flags']}")
     print(f"  cache      : {info['cache']}")
     print(f"  load time  : {info['load_seconds']} s")

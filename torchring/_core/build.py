@@ -23,7 +23,7 @@ from types import ModuleType
 
 import torch
 
-from . import settings as _settings, types as _types
+from . import settings as _settings, toolchain as _toolchain, types as _types
 from .log import logger
 
 _NAME = "torchring_C"
@@ -101,7 +101,7 @@ def cache_key() -> str:
     h = hashlib.sha256()
     identity = (torch.__version__, str(torch.version.git_version), str(torch.version.cuda),
                 str(torch._C._GLIBCXX_USE_CXX11_ABI), sys.version, " ".join(flags()), _cpu_flags(),
-                str(nccl_paths()), str(cuda_home()))
+                str(nccl_paths()), str(cuda_home()), os.environ.get("CXX", ""))
     for part in identity:
         h.update(part.encode())
     for path in sources() + sorted(_CSRC.glob("**/*.h")):
@@ -162,6 +162,12 @@ def _compile(directory: Path, verbose: bool) -> None:
         # The engine has no device code, so the arch list changes nothing; but on a machine
         # without a GPU cpp_extension cannot derive one and fails unless it is given.
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    # cpp_extension compiles with CXX: for this build, a compiler whose code works inside this
+    # Python (toolchain.py); the caller's CXX (part of the cache key) is put back afterwards.
+    compiler = _toolchain.choose([f for f in flags() if not f.startswith("-fsanitize")])
+    (directory / "compiler").write_text(compiler)
+    callers_cxx = os.environ.get("CXX")
+    os.environ["CXX"] = compiler
     # Imported here, not at the top: cpp_extension reads CUDA_HOME when it is imported (set
     # just above), and only a build needs it.
     from torch.utils import cpp_extension
@@ -180,17 +186,23 @@ def _compile(directory: Path, verbose: bool) -> None:
         except ImportError:
             pass
         ldflags += [f"-L{lib}", "-l:libnccl.so.2", f"-Wl,-rpath,{lib}"]
-    cpp_extension.load(
-        name=_NAME,
-        sources=[str(p) for p in sources()],
-        extra_cflags=cflags,
-        extra_include_paths=includes,
-        extra_ldflags=ldflags,
-        build_directory=str(directory),
-        verbose=verbose,
-        with_cuda=nccl is not None,
-        is_python_module=True,
-    )
+    try:
+        cpp_extension.load(
+            name=_NAME,
+            sources=[str(p) for p in sources()],
+            extra_cflags=cflags,
+            extra_include_paths=includes,
+            extra_ldflags=ldflags,
+            build_directory=str(directory),
+            verbose=verbose,
+            with_cuda=nccl is not None,
+            is_python_module=True,
+        )
+    finally:
+        if callers_cxx is None:
+            os.environ.pop("CXX", None)
+        else:
+            os.environ["CXX"] = callers_cxx
     logger.info("engine built in %.0f s", time.time() - start)
 
 
