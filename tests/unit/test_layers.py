@@ -17,11 +17,12 @@ LAYERS = [
     {"collectives", "launch"},             # the collectives API and groups; the launcher
     {"_wrap"},                             # wrap: model, reducer, buckets, join, memory
     {"data", "memory"},                    # torchring.data; torchring.memory (public names)
+    {"elastic"},                           # torchring.elastic: membership epochs, re-forming, State
     {"horovod", "run"},                    # torchring.horovod; python -m torchring.run
 ]
 
 # Folders whose modules may import each other (never in a circle).
-PACKAGES = ("_core", "collectives", "_wrap", "launch", "data", "horovod")
+PACKAGES = ("_core", "collectives", "_wrap", "launch", "data", "elastic", "horovod")
 
 
 def _modules() -> dict[str, Path]:

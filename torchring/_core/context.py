@@ -62,17 +62,24 @@ def _read_settings(rank: int, timeout: float | None) -> Settings:
     return dataclasses.replace(settings, timeout=timeout)
 
 
-def init(timeout: float | None = None) -> None:
-    """Joins the job described by the launcher's environment (idempotent)."""
+def init(timeout: float | None = None, membership: tuple[int, int, int] | None = None) -> None:
+    """Joins the job described by the launcher's environment (idempotent); `membership`
+    (rank, world size, epoch) replaces the launcher's ranks after an in-process re-forming
+    (torchring.elastic), under the epoch's own store keys."""
     global _state, _last_settings, _generation
     if _state is not None:
         return
     launch = _env.detect()
+    if membership is not None:  # the hosts' rank counts changed too: wiring finds the local ranks
+        launch = dataclasses.replace(launch, rank=membership[0], world_size=membership[1], local_rank=None,
+                                     local_world_size=None)
     settings = _read_settings(launch.rank, timeout)
     engine = _build.load()
     rank, world = launch.rank, launch.world_size
-    job_id = settings.job_id or launch.job_id
+    job_id = job(settings, launch)
     prefix = f"torchring/{job_id}/{launch.restart}/{_generation}/"
+    if membership is not None:  # every member of the epoch, whatever its own count of init()s
+        prefix = f"torchring/{job_id}/{launch.restart}/epoch-{membership[2]}/"
     _generation += 1
     host = settings.hostname or socket.gethostname()
 
@@ -99,6 +106,22 @@ def init(timeout: float | None = None) -> None:
     except BaseException:
         shutdown()
         raise
+
+
+def job(settings: Settings, launch: _env.Launch) -> str:
+    """The job's id: TORCHRING_JOB_ID, else the launcher's run id."""
+    return settings.job_id or launch.job_id
+
+
+def launch_info() -> _env.Launch:
+    """The launcher's view of this process, as init() used it (after a re-forming: the epoch's ranks)."""
+    return _require("launch_info").launch
+
+
+def wiring() -> tuple[Any, str, str]:
+    """(store, key prefix, host) this world was wired through (store None for a single rank)."""
+    state = _require("wiring")
+    return state.store, state.prefix, state.host
 
 
 def shutdown() -> None:

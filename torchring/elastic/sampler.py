@@ -1,8 +1,8 @@
 """ElasticSampler: a distributed sampler that remembers what this epoch has already trained on.
 
-    sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=0)
+    sampler = torchring.elastic.ElasticSampler(dataset, shuffle=True, seed=0)   # or hvd.elastic's
     loader = DataLoader(dataset, batch_size=32, sampler=sampler)
-    state = hvd.elastic.TorchState(model, optimizer, sampler=sampler)
+    state = torchring.elastic.State(model=model, optimizer=optimizer, sampler=sampler)
     for batch_idx, batch in enumerate(loader):
         ...
         sampler.record_batch(batch_idx, 32)       # or record_indices(the batch's dataset indices)
@@ -25,7 +25,7 @@ from typing import Any, Iterable, Iterator, Sized
 
 import torch.utils.data
 
-from .. import basics
+from .._core import context as _context
 
 __all__ = ["ElasticSampler"]
 
@@ -77,8 +77,8 @@ class ElasticSampler(torch.utils.data.Sampler):
 
     def reset(self) -> None:
         """Splits what is left of the epoch over the current world."""
-        self.num_replicas = basics.size()
-        self.rank = basics.rank()
+        self.num_replicas = _context.size()
+        self.rank = _context.rank()
         order = list(range(len(self.dataset)))
         if self.shuffle:
             random.Random(self.seed + self.epoch).shuffle(order)

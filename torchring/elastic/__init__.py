@@ -1,0 +1,73 @@
+"""torchring.elastic: a lost rank or host costs a pause, not the job.
+
+    state = torchring.elastic.State(model=model, optimizer=optimizer, epoch=0)
+
+    @torchring.elastic.run
+    def train(state):
+        for state.epoch in range(state.epoch, epochs):
+            ...                          # steps on torchring.wrap(model), state.commit() every few
+
+    train(state)
+
+When a collective fails because a peer died or went silent (CommunicatorFailedError), run()
+puts the state back at its last commit, re-forms the world with the processes still alive
+(world.reform(): a new membership epoch agreed through the store, new ranks, a new
+communicator; no process restarts), makes every rank take rank 0's state, and calls `train`
+again. A mismatch (CollectiveMismatchError) leaves the communicator usable and reaches the
+caller untouched. torchring.horovod.elastic recovers the same way, with Horovod's names.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, TypeVar
+
+from .._core import context as _context, errors as _errors, log as _log
+from .membership import Epoch, Member, NotAMemberError
+from .sampler import ElasticSampler
+from .state import State
+from .world import epoch, reform
+
+__all__ = ["run", "reform", "epoch", "Epoch", "Member", "NotAMemberError", "State", "ElasticSampler", "recover"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def recover(state: Any, error: BaseException) -> Epoch:
+    """After `error` broke the communicator: restore `state`'s last commit, re-form the world,
+    and log who is left; the caller then syncs and goes on."""
+    state.restore()
+    before = _log_rank()
+    joined = reform()
+    _log.logger.warning("rank %s: %s; the world is re-formed in process as epoch %d: %d ranks, this "
+                        "one now rank %d, back at the last commit", before,
+                        _what_failed(error),
+                        joined.number, joined.size, joined.rank)
+    return joined
+
+
+def _what_failed(error: BaseException) -> str:
+    """The failure's first clause (its advice to restart the job does not apply here)."""
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return text.split("; ")[0]
+
+
+def _log_rank() -> str:
+    return str(_context.rank()) if _context.is_initialized() else "?"
+
+
+def run(func: F) -> F:
+    """Wraps `func(state, ...)`: sync the state, run, and after a failed communicator restore
+    the last commit, re-form the world in process and run again."""
+
+    @functools.wraps(func)
+    def wrapper(state: Any, *args: Any, **kwargs: Any) -> Any:
+        while True:
+            state.sync()
+            try:
+                return func(state, *args, **kwargs)
+            except _errors.CommunicatorFailedError as exc:
+                recover(state, exc)
+                state.on_reset()
+
+    return wrapper  # type: ignore[return-value]

@@ -1,0 +1,125 @@
+"""Membership epochs: which processes form the world from now on, agreed through the store.
+
+A job starts in epoch 0 with the launcher's ranks. When a collective fails (a peer died, a
+cable was pulled) or the world is to grow, every process that can go on calls join() for the
+next epoch, and leaves with the same answer as every other member: the epoch's members in
+order, its own new rank, the new world size.
+
+    keys under  torchring/{job}/elastic/{epoch}/
+      arrivals        a counter; store.add() gives each joiner its arrival index a = 1, 2, ...
+      member/{a}      the joiner's Member (uid, old rank, host), as JSON
+      closed          the number of members n, written once by compare_set: the first joiner to
+                      decide wins, every joiner reads the same n
+    and             torchring/{job}/elastic/current   the newest closed epoch, for newcomers
+
+The epoch closes as soon as `expected` joiners arrived (every member of the old world that is
+still alive; a failure names the dead one, so survivors expect old world - known dead), or once
+no new joiner arrived for `settle` seconds while at least `min_size` are there (a member that
+died silently never arrives). Joiners 1..n are the epoch's members; a joiner that arrives after
+the close (a = n + 1, ...) is not, and learns so by name. The members' new ranks keep the old
+order: survivors sorted by their old rank, newcomers after them in arrival order, so rank 0
+stays rank 0 unless it was lost.
+
+Stale processes cannot join a newer epoch by accident: every epoch's wiring lives under its own
+store prefix with its own secret (the engine's handshake checks it), and join() refuses an epoch
+number that is not the next one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Member:
+    """One process of an epoch: who it is (uid: host:pid) and which rank it had before (-1: new)."""
+
+    uid: str
+    old_rank: int
+    host: str
+
+
+@dataclass(frozen=True)
+class Epoch:
+    """An agreed membership: its number, its members in rank order, and this process's rank."""
+
+    number: int
+    members: tuple[Member, ...]
+    rank: int
+
+    @property
+    def size(self) -> int:
+        """The new world size."""
+        return len(self.members)
+
+
+class NotAMemberError(RuntimeError):
+    """This process arrived after the epoch had closed without it."""
+
+
+def _prefix(job: str, epoch: int) -> str:
+    return f"torchring/{job}/elastic/{epoch}/"
+
+
+def current(store: Any, job: str) -> int:
+    """The newest closed epoch of `job` (0 before any re-forming)."""
+    return int(store.add(f"torchring/{job}/elastic/current", 0))
+
+
+def order(members: list[Member]) -> list[Member]:
+    """Rank order: survivors by old rank, then newcomers as they arrived (stable)."""
+    return sorted(members, key=lambda m: (m.old_rank < 0, m.old_rank if m.old_rank >= 0 else 0))
+
+
+def join(store: Any, job: str, epoch: int, me: Member, expected: int, min_size: int, settle: float,
+         timeout: float, poll: float = 0.01) -> Epoch:
+    """Joins `epoch` of `job` and returns it once closed (see the module docstring); raises
+    NotAMemberError if it closed before this process arrived, TimeoutError if fewer than
+    `min_size` joined within `timeout` seconds."""
+    keys = _prefix(job, epoch)
+    arrival = int(store.add(keys + "arrivals", 1))
+    store.set(keys + f"member/{arrival}", json.dumps(dataclasses.asdict(me)))
+    start = last_change = time.monotonic()
+    seen = arrival
+    while True:
+        closed = _closed(store, keys)
+        if closed is None:
+            count = int(store.add(keys + "arrivals", 0))
+            now = time.monotonic()
+            if count != seen:
+                seen, last_change = count, now
+            if count >= expected or (count >= min_size and now - last_change >= settle):
+                closed = _close(store, keys, count)
+            elif now - start > timeout:
+                raise TimeoutError(
+                    f"{me.uid} (rank {me.old_rank} before): epoch {epoch} of job {job!r} has {count} of "
+                    f"the {min_size} members it needs after {timeout:.0f} s; the rest of the job is gone or "
+                    f"cannot reach the store: start more ranks, or lower the minimum size")
+            else:
+                time.sleep(poll)
+                continue
+        if arrival > closed:
+            raise NotAMemberError(
+                f"{me.uid} (rank {me.old_rank} before) reached epoch {epoch} of job {job!r} after it closed "
+                f"with {closed} members; it joins the next epoch, when the world is re-formed again")
+        members = order([Member(**json.loads(store.get(keys + f"member/{a}"))) for a in range(1, closed + 1)])
+        rank = next(i for i, m in enumerate(members) if m.uid == me.uid)
+        if rank == 0:  # one writer: the epoch's rank 0 says it is the newest
+            store.set(f"torchring/{job}/elastic/current", str(epoch))
+        return Epoch(epoch, tuple(members), rank)
+
+
+def _closed(store: Any, keys: str) -> int | None:
+    """The closed epoch's member count, or None while it is open (check() never blocks)."""
+    if not store.check([keys + "closed"]):
+        return None
+    return int(store.get(keys + "closed"))
+
+
+def _close(store: Any, keys: str, count: int) -> int:
+    """Closes the epoch with `count` members unless another joiner closed it first; the winner's count."""
+    return int(store.compare_set(keys + "closed", "", str(count)))
