@@ -73,9 +73,12 @@ def probe(compiler: str, flags: list[str]) -> str | None:
             return f"could not run: {exc}"
         if built.returncode != 0:
             return f"could not compile the probe: {built.stderr.strip()[-400:]}"
+        # Without LD_PRELOAD: under a sanitizer's preloaded runtime (TORCHRING_DEBUG_BUILD's tests) a
+        # crash would end in the sanitizer's report and exit 1 instead of the signal that names it.
+        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
         try:
             ran = subprocess.run([sys.executable, "-c", _LOADER, str(library)], capture_output=True, text=True,
-                                 timeout=120)
+                                 timeout=120, env=env)
         except subprocess.SubprocessError as exc:
             return f"the probe did not finish: {exc}"
         if ran.returncode < 0:

@@ -14,7 +14,9 @@ puts the state back at its last commit, re-forms the world with the processes st
 (world.reform(): a new membership epoch agreed through the store, new ranks, a new
 communicator; no process restarts), makes every rank take rank 0's state, and calls `train`
 again. A mismatch (CollectiveMismatchError) leaves the communicator usable and reaches the
-caller untouched. torchring.horovod.elastic recovers the same way, with Horovod's names.
+caller untouched. A process that waits to join (one that came too late for the survivors'
+epoch, or a newcomer) is let in at the next commit(): every rank raises WorldChanged there and
+run() re-forms the world with it.
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ from .._core import context as _context, errors as _errors, log as _log
 from .membership import Epoch, Member, NotAMemberError
 from .sampler import ElasticSampler
 from .state import State
-from .world import epoch, reform
+from .world import DEFAULT_SETTLE_S, WorldChanged, epoch, reform
 
-__all__ = ["run", "reform", "epoch", "Epoch", "Member", "NotAMemberError", "State", "ElasticSampler", "recover"]
+__all__ = ["run", "reform", "epoch", "Epoch", "Member", "NotAMemberError", "State", "ElasticSampler", "WorldChanged", "recover"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -38,12 +40,21 @@ def recover(state: Any, error: BaseException) -> Epoch:
     and log who is left; the caller then syncs and goes on."""
     state.restore()
     before = _log_rank()
-    joined = reform()
+    joined = reform(settle=settle_after(error))
     _log.logger.warning("rank %s: %s; the world is re-formed in process as epoch %d: %d ranks, this "
                         "one now rank %d, back at the last commit", before,
                         _what_failed(error),
                         joined.number, joined.size, joined.rank)
     return joined
+
+
+def settle_after(error: BaseException) -> float:
+    """How long the next epoch waits for late survivors. A dead process is seen by every
+    survivor at once (its connections close), so DEFAULT_SETTLE_S; a silent one (paused, cut
+    off) only when each survivor's own TORCHRING_TIMEOUT runs out, which can be up to one
+    timeout apart (progress with the others restarts a survivor's clock), so one timeout more."""
+    silent = " s timeout" in str(error)  # the engine's wording for a peer that stopped answering
+    return DEFAULT_SETTLE_S + (_context.settings().timeout if silent else 0.0)
 
 
 def _what_failed(error: BaseException) -> str:
@@ -68,6 +79,11 @@ def run(func: F) -> F:
                 return func(state, *args, **kwargs)
             except _errors.CommunicatorFailedError as exc:
                 recover(state, exc)
+                state.on_reset()
+            except WorldChanged as exc:  # raised at a commit: nothing to undo
+                joined = reform(joiners=exc.joiners)
+                _log.logger.info("rank %d: %s; the world is re-formed as epoch %d: %d ranks",
+                                 joined.rank, exc, joined.number, joined.size)
                 state.on_reset()
 
     return wrapper  # type: ignore[return-value]

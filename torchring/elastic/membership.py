@@ -12,7 +12,8 @@ order, its own new rank, the new world size.
                       decide wins, every joiner reads the same n
     and             torchring/{job}/elastic/current   the newest closed epoch, for newcomers
 
-The epoch closes as soon as `expected` joiners arrived (every member of the old world that is
+Members already in a world let waiting processes in at a commit: pending() counts the joiners of
+the next epoch, and the members join it too, expecting them. The epoch closes as soon as `expected` joiners arrived (every member of the old world that is
 still alive; a failure names the dead one, so survivors expect old world - known dead), or once
 no new joiner arrived for `settle` seconds while at least `min_size` are there (a member that
 died silently never arrives). Joiners 1..n are the epoch's members; a joiner that arrives after
@@ -75,11 +76,19 @@ def order(members: list[Member]) -> list[Member]:
     return sorted(members, key=lambda m: (m.old_rank < 0, m.old_rank if m.old_rank >= 0 else 0))
 
 
+def pending(store: Any, job: str, epoch: int) -> int:
+    """How many processes wait to join `epoch` (a newcomer, or a survivor that came too late for
+    the epoch before): the members let them in at their next commit."""
+    return int(store.add(_prefix(job, epoch) + "arrivals", 0))
+
+
 def join(store: Any, job: str, epoch: int, me: Member, expected: int, min_size: int, settle: float,
-         timeout: float, poll: float = 0.01) -> Epoch:
+         timeout: float, poll: float = 0.01, may_close: bool = True) -> Epoch:
     """Joins `epoch` of `job` and returns it once closed (see the module docstring); raises
     NotAMemberError if it closed before this process arrived, TimeoutError if fewer than
-    `min_size` joined within `timeout` seconds."""
+    `min_size` joined within `timeout` seconds (with enough, the settle time decides). A joiner with `may_close` False only waits: it
+    is let in when the members come (a process waiting for a running world cannot tell how many
+    will)."""
     keys = _prefix(job, epoch)
     arrival = int(store.add(keys + "arrivals", 1))
     store.set(keys + f"member/{arrival}", json.dumps(dataclasses.asdict(me)))
@@ -87,6 +96,12 @@ def join(store: Any, job: str, epoch: int, me: Member, expected: int, min_size: 
     seen = arrival
     while True:
         closed = _closed(store, keys)
+        if closed is None and not may_close:
+            if time.monotonic() - start > timeout:
+                raise TimeoutError(f"{me.uid}: the members of job {job!r} did not come to let it into epoch "
+                                   f"{epoch} within {timeout:.0f} s (they do at their next commit)")
+            time.sleep(poll)
+            continue
         if closed is None:
             count = int(store.add(keys + "arrivals", 0))
             now = time.monotonic()
@@ -94,7 +109,7 @@ def join(store: Any, job: str, epoch: int, me: Member, expected: int, min_size: 
                 seen, last_change = count, now
             if count >= expected or (count >= min_size and now - last_change >= settle):
                 closed = _close(store, keys, count)
-            elif now - start > timeout:
+            elif count < min_size and now - start > timeout:
                 raise TimeoutError(
                     f"{me.uid} (rank {me.old_rank} before): epoch {epoch} of job {job!r} has {count} of "
                     f"the {min_size} members it needs after {timeout:.0f} s; the rest of the job is gone or "

@@ -1,7 +1,7 @@
 """State: what an elastic job keeps across a re-forming of its world.
 
     state = torchring.elastic.State(model=model, optimizer=optimizer, sampler=sampler, epoch=0, step=0)
-    state.commit()      # a copy in host memory is the point to come back to
+    state.commit()      # a copy in host memory is the point to come back to; lets waiting joiners in
     state.restore()     # back to the last commit (after a failure)
     state.sync()        # every rank takes rank 0's state (after a re-forming: a newcomer's start)
 
@@ -21,6 +21,7 @@ import torch
 
 from ..collectives import basic as _basic
 from .._core import context as _context
+from . import world as _world
 
 _OWN = ("_objects", "_values", "_saved", "_callbacks")
 
@@ -34,7 +35,7 @@ class State:
         object.__setattr__(self, "_values", {k: v for k, v in entries.items() if k not in objects})
         object.__setattr__(self, "_callbacks", [])
         object.__setattr__(self, "_saved", None)
-        self.commit()
+        self.save()
 
     def __getattr__(self, name: str) -> Any:
         entries = {**self.__dict__.get("_objects", {}), **self.__dict__.get("_values", {})}
@@ -63,6 +64,15 @@ class State:
             callback()
 
     def commit(self) -> None:
+        """save(), then let in the processes waiting to join: every rank raises WorldChanged
+        together when there are any, and run() re-forms the world with them."""
+        self.save()
+        if _context.is_initialized():
+            joiners = _world.joiners_waiting()
+            if joiners:
+                raise _world.WorldChanged(joiners)
+
+    def save(self) -> None:
         """Saves a copy of every entry in host memory: the point restore() goes back to."""
         saved = {k: _to_cpu(copy.deepcopy(o.state_dict())) for k, o in self._objects.items()}
         object.__setattr__(self, "_saved", (saved, copy.deepcopy(self._values)))
@@ -89,7 +99,7 @@ class State:
             for name, state_dict in others.items():
                 self._objects[name].load_state_dict(state_dict)
             object.__setattr__(self, "_values", values)
-        self.commit()
+        self.save()
 
 
 def _to_cpu(value: Any) -> Any:

@@ -25,13 +25,27 @@ import os
 import socket
 from typing import Any
 
+import torch
+
 from .._core import context as _context, env as _env, rendezvous as _rendezvous
+from ..collectives import basic as _basic
 from . import membership
-from .membership import Epoch, Member
+from .membership import Epoch, Member, NotAMemberError
 
 _epoch = 0  # the epoch this process's world belongs to (0: the launcher's)
+_store: Any = None  # the store the last re-forming met through (a world of 1 keeps none in its wiring)
 
 DEFAULT_SETTLE_S = 1.0
+JOIN_TIMEOUT_S = 600.0  # how long a process left out waits to be let in (Horovod's elastic timeout)
+
+
+class WorldChanged(Exception):
+    """Raised by State.commit() on every rank when processes wait to join: run() re-forms the
+    world with them (Horovod's HostsUpdatedInterrupt)."""
+
+    def __init__(self, joiners: int) -> None:
+        super().__init__(f"{joiners} process(es) wait to join the world")
+        self.joiners = joiners
 
 
 def epoch() -> int:
@@ -39,11 +53,14 @@ def epoch() -> int:
     return _epoch
 
 
-def reform(min_size: int = 1, settle: float = DEFAULT_SETTLE_S, timeout: float | None = None) -> Epoch:
+def reform(min_size: int = 1, settle: float = DEFAULT_SETTLE_S, timeout: float | None = None,
+           joiners: int = 0) -> Epoch:
     """Leaves the current world and forms the next epoch's with every process that calls this
-    too (the survivors of a failure); returns the epoch, whose rank and size torchring.rank()
-    and torchring.size() report from now on. Raises TimeoutError below `min_size` members."""
-    global _epoch
+    too (the survivors of a failure) and the `joiners` known to wait; returns the epoch, whose
+    rank and size torchring.rank() and torchring.size() report from now on. A process that
+    arrives after the epoch closed waits to be let into the next one (at the members' next
+    commit). Raises TimeoutError below `min_size` members."""
+    global _epoch, _store
     old_rank, old_world = _context.rank(), _context.size()
     settings = _context.settings()
     launch = _env.detect()
@@ -55,13 +72,33 @@ def reform(min_size: int = 1, settle: float = DEFAULT_SETTLE_S, timeout: float |
     if old_world == 1:
         joined = Epoch(_epoch + 1, (me,), 0)
     else:
-        store = _rendezvous.store(launch, wait)
+        store = _store = _rendezvous.store(launch, wait)
         job = f"{_context.job(settings, launch)}/{launch.restart}"
-        joined = membership.join(store, job, _epoch + 1, me, expected=old_world - gone, min_size=min_size,
-                                 settle=settle, timeout=wait)
+        try:
+            joined = membership.join(store, job, _epoch + 1, me, expected=old_world - gone + joiners,
+                                     min_size=min_size, settle=settle, timeout=wait)
+        except NotAMemberError:
+            # Too late for the survivors' epoch (a slower detection): wait to be let into the next.
+            joined = membership.join(store, job, _epoch + 2, me, expected=0, min_size=1, settle=settle,
+                                     timeout=JOIN_TIMEOUT_S, may_close=False)
     _epoch = joined.number
     _context.init(membership=(joined.rank, joined.size, joined.number))
     return joined
+
+
+def joiners_waiting() -> int:
+    """How many processes wait to join the next epoch, the same number on every rank (rank 0
+    reads the store, a broadcast tells the rest): State.commit() asks this."""
+    store = _context.wiring()[0] or _store
+    count = 0
+    if _context.rank() == 0 and store is not None:
+        launch, settings = _env.detect(), _context.settings()
+        count = membership.pending(store, f"{_context.job(settings, launch)}/{launch.restart}", _epoch + 1)
+    if _context.size() == 1:
+        return count
+    flag = torch.tensor([count], dtype=torch.int64)
+    _basic.broadcast(flag, 0)
+    return int(flag.item())
 
 
 def dead_neighbours(store: Any, prefix: str, host: str, rank: int, world: int) -> int:

@@ -1,0 +1,110 @@
+"""The elastic training job of the recovery tests (tests/spawned/elastic/, tests/spawned/multihost/):
+a linear model whose exact result tells whether every sample of the epoch was trained on once.
+
+loss = w · x(i) with integer-valued x(i), gradients summed over the ranks (not averaged), SGD
+with a power-of-two learning rate: whatever the world size and the order, the final weights
+are w0 - LR * sum of x(i) over the epoch, exactly, if and only if each sample was applied once
+(none lost with a dead rank, none repeated after the rollback to the last commit).
+
+One member, the victim, stops at the start of step `at_step` of epoch 0 in one of these ways:
+"kill" SIGKILLs itself; "wait" writes victim<rank>.json (host, pid) into `out_dir` and sleeps,
+for the test to kill, pause or cut off its host.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from typing import Any
+
+import torch
+
+SAMPLES, FEATURES, BATCH, LR = 48, 8, 2, 2.0 ** -10
+
+
+def x(i: int) -> torch.Tensor:
+    """Sample i's input (integer-valued float64)."""
+    return torch.tensor([float((i * (j + 3)) % 11) for j in range(FEATURES)], dtype=torch.float64)
+
+
+def expected_weights() -> torch.Tensor:
+    """The weights after one epoch in which every sample was applied once."""
+    return -LR * sum(x(i) for i in range(SAMPLES))
+
+
+class Linear(torch.nn.Module):
+    """w · x, w starting at zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(FEATURES, dtype=torch.float64))
+
+
+def train(launch_rank: int, victim: int, at_step: int, how: str = "kill", out_dir: str = "") -> dict[str, Any]:
+    """One rank of the job (the launcher's `launch_rank`; torchring initialized here); returns
+    what the test checks."""
+    import torchring
+    import torchring.elastic as elastic
+
+    torchring.init()
+    model = Linear()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    sampler = elastic.ElasticSampler(list(range(SAMPLES)), shuffle=True, seed=5)
+    state = elastic.State(model=model, optimizer=optimizer, sampler=sampler, step=0)
+    trained: list[list[int]] = []  # [epoch, indices...] of each step this process completed
+    marks: dict[str, float] = {}
+
+    @elastic.run
+    def run(state: Any) -> None:
+        indices = list(iter(state.sampler))
+        for b in range(0, len(indices), BATCH):
+            if torchring.rank() == victim and state.step == at_step and elastic.epoch() == 0:
+                _stop(how, out_dir)
+            chunk = indices[b:b + BATCH]
+            optimizer.zero_grad()
+            (model.w * sum(x(i) for i in chunk)).sum().backward()
+            torchring.allreduce(model.w.grad)  # a SUM: exact for integer-valued gradients
+            optimizer.step()
+            if elastic.epoch() == 0:
+                marks["last_step_before"] = time.monotonic()
+            else:
+                marks.setdefault("first_step_after", time.monotonic())
+            state.sampler.record_batch(b // BATCH, BATCH)
+            state.step += 1
+            trained.append([elastic.epoch(), *chunk])
+            state.commit()
+
+    run(state)
+    result = {"w": model.w.detach().tolist(), "rank": torchring.rank(), "size": torchring.size(),
+              "epoch": elastic.epoch(), "steps": state.step, "trained": trained, "marks": marks}
+    torchring.shutdown()
+    return result
+
+
+def _stop(how: str, out_dir: str) -> None:
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    with open(os.path.join(out_dir, f"victim{os.environ.get('RANK', '?')}.json"), "w") as f:
+        json.dump({"host": socket.gethostname(), "pid": os.getpid()}, f)
+    time.sleep(600)  # the test kills, pauses or cuts off this host
+
+
+def check(results: list[dict[str, Any]], world: int) -> list[str]:
+    """What is wrong with the survivors' results (world: the ranks before the loss)."""
+    problems = []
+    size = world - 1
+    got = sorted((r["rank"], r["size"], r["epoch"]) for r in results)
+    if got != [(k, size, 1) for k in range(size)]:
+        problems.append(f"(rank, size, epoch) of the survivors: {got}, expected ranks 0..{size - 1} of {size} in epoch 1")
+    want = expected_weights()
+    for r in results:
+        if not torch.equal(torch.tensor(r["w"], dtype=torch.float64), want):
+            problems.append(f"rank {r['rank']}: weights {r['w']}, expected {want.tolist()}")
+    after = [i for r in results for step in r["trained"] if step[0] == 1 for i in step[1:]]
+    before = {i for r in results for step in r["trained"] if step[0] == 0 for i in step[1:]}
+    if len(after) != len(set(after)) or set(after) & before:
+        problems.append(f"samples trained twice: {sorted(after)} after the re-forming, {sorted(before)} before")
+    return problems
