@@ -8,7 +8,9 @@ are w0 - LR * sum of x(i) over the epoch, exactly, if and only if each sample wa
 
 One member, the victim, stops at the start of step `at_step` of epoch 0 in one of these ways:
 "kill" SIGKILLs itself; "wait" writes victim<rank>.json (host, pid) into `out_dir` and sleeps,
-for the test to kill, pause or cut off its host.
+for the test to kill, pause or cut off its host. With "hold" every member instead commits
+again and again at that step until a newcomer is let in (State.commit raises WorldChanged).
+A process started after the others (elastic.init() finds the job running) is a newcomer.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def train(launch_rank: int, victim: int, at_step: int, how: str = "kill", out_di
     import torchring
     import torchring.elastic as elastic
 
-    torchring.init()
+    elastic.init()
     model = Linear()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     sampler = elastic.ElasticSampler(list(range(SAMPLES)), shuffle=True, seed=5)
@@ -61,6 +63,8 @@ def train(launch_rank: int, victim: int, at_step: int, how: str = "kill", out_di
     def run(state: Any) -> None:
         indices = list(iter(state.sampler))
         for b in range(0, len(indices), BATCH):
+            if how == "hold" and state.step == at_step and elastic.epoch() == 0:
+                _hold(state)
             if torchring.rank() == victim and state.step == at_step and elastic.epoch() == 0:
                 _stop(how, out_dir)
             chunk = indices[b:b + BATCH]
@@ -84,6 +88,19 @@ def train(launch_rank: int, victim: int, at_step: int, how: str = "kill", out_di
     return result
 
 
+def _hold(state: Any) -> None:
+    """Commit until the newcomer is let in (commit raises WorldChanged on every rank at once);
+    rank 0 says in the store that the world is holding, for the newcomer to start then."""
+    import torchring
+    from torchring._core import context
+
+    if torchring.rank() == 0:
+        context.wiring()[0].set("test/holding", "1")
+    while True:
+        state.commit()
+        time.sleep(0.05)
+
+
 def _stop(how: str, out_dir: str) -> None:
     if how == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -92,13 +109,13 @@ def _stop(how: str, out_dir: str) -> None:
     time.sleep(600)  # the test kills, pauses or cuts off this host
 
 
-def check(results: list[dict[str, Any]], world: int) -> list[str]:
-    """What is wrong with the survivors' results (world: the ranks before the loss)."""
+def check(results: list[dict[str, Any]], size: int) -> list[str]:
+    """What is wrong with the results of the ranks of epoch 1, a world of `size`."""
     problems = []
-    size = world - 1
     got = sorted((r["rank"], r["size"], r["epoch"]) for r in results)
     if got != [(k, size, 1) for k in range(size)]:
-        problems.append(f"(rank, size, epoch) of the survivors: {got}, expected ranks 0..{size - 1} of {size} in epoch 1")
+        problems.append(f"(rank, size, epoch) of the survivors: {got}, expected ranks 0..{size - 1} "
+                        f"of {size} in epoch 1")
     want = expected_weights()
     for r in results:
         if not torch.equal(torch.tensor(r["w"], dtype=torch.float64), want):

@@ -1,5 +1,6 @@
 """torchring.elastic: a lost rank or host costs a pause, not the job.
 
+    torchring.elastic.init()             # as launched, or, in a running job, as a newcomer
     state = torchring.elastic.State(model=model, optimizer=optimizer, epoch=0)
 
     @torchring.elastic.run
@@ -28,9 +29,9 @@ from .._core import context as _context, errors as _errors, log as _log
 from .membership import Epoch, Member, NotAMemberError
 from .sampler import ElasticSampler
 from .state import State
-from .world import DEFAULT_SETTLE_S, WorldChanged, epoch, reform
+from .world import DEFAULT_SETTLE_S, WorldChanged, epoch, init, reform
 
-__all__ = ["run", "reform", "epoch", "Epoch", "Member", "NotAMemberError", "State", "ElasticSampler", "WorldChanged", "recover"]
+__all__ = ["init", "run", "reform", "epoch", "Epoch", "Member", "NotAMemberError", "State", "ElasticSampler", "WorldChanged", "recover"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -53,6 +53,42 @@ def epoch() -> int:
     return _epoch
 
 
+def _running_key(job: str) -> str:
+    return f"torchring/{job}/elastic/running"
+
+
+def _job(launch: _env.Launch) -> str:
+    """The key space of this job's epochs: its id and the launcher's restart count."""
+    return f"{_context.job(_context.settings(), launch)}/{launch.restart}"
+
+
+def init(timeout: float | None = None, join_timeout: float = JOIN_TIMEOUT_S) -> Epoch:
+    """Joins the job: as launched when it is starting (torchring.init()), or, when its world
+    already runs (a replacement, a host added), as a newcomer that the members let in at
+    their next State.commit(). Returns the epoch joined."""
+    global _epoch, _store
+    launch = _env.detect()
+    settings = _context.settings()
+    wait = settings.timeout if timeout is None else float(timeout)
+    if launch.source == "single":
+        _context.init(timeout)
+        return Epoch(0, (), 0)
+    store = _store = _rendezvous.store(launch, wait)
+    job = _job(launch)
+    if not store.check([_running_key(job)]):
+        _context.init(timeout)
+        if _context.rank() == 0:
+            store.set(_running_key(job), "1")
+        return Epoch(0, (), _context.rank())
+    host = settings.hostname or socket.gethostname()
+    me = Member(f"{host}:{os.getpid()}", -1, host)
+    joined = membership.join(store, job, membership.current(store, job) + 1, me, expected=0, min_size=1,
+                             settle=DEFAULT_SETTLE_S, timeout=join_timeout, may_close=False)
+    _epoch = joined.number
+    _context.init(timeout, membership=(joined.rank, joined.size, joined.number))
+    return joined
+
+
 def reform(min_size: int = 1, settle: float = DEFAULT_SETTLE_S, timeout: float | None = None,
            joiners: int = 0) -> Epoch:
     """Leaves the current world and forms the next epoch's with every process that calls this
@@ -73,7 +109,7 @@ def reform(min_size: int = 1, settle: float = DEFAULT_SETTLE_S, timeout: float |
         joined = Epoch(_epoch + 1, (me,), 0)
     else:
         store = _store = _rendezvous.store(launch, wait)
-        job = f"{_context.job(settings, launch)}/{launch.restart}"
+        job = _job(launch)
         try:
             joined = membership.join(store, job, _epoch + 1, me, expected=old_world - gone + joiners,
                                      min_size=min_size, settle=settle, timeout=wait)
@@ -92,8 +128,7 @@ def joiners_waiting() -> int:
     store = _context.wiring()[0] or _store
     count = 0
     if _context.rank() == 0 and store is not None:
-        launch, settings = _env.detect(), _context.settings()
-        count = membership.pending(store, f"{_context.job(settings, launch)}/{launch.restart}", _epoch + 1)
+        count = membership.pending(store, _job(_env.detect()), _epoch + 1)
     if _context.size() == 1:
         return count
     flag = torch.tensor([count], dtype=torch.int64)

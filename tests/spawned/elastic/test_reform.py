@@ -19,7 +19,7 @@ def test_a_killed_rank_costs_a_pause_and_no_sample(capsys: Any) -> None:
     survivors = [outcomes[r] for r in (0, 1, 3)]
     assert all(o.ok for o in survivors), "\n".join(o.describe() for o in survivors)
     results = [o.value for o in survivors]
-    assert check(results, 4) == []
+    assert check(results, 3) == []
     # old ranks 0, 1, 3 keep their order as 0, 1, 2
     assert [r["rank"] for r in results] == [0, 1, 2]
     # 3 steps of 4 ranks x 2 samples, then the other 24 samples as 4 steps of 3 ranks x 2
@@ -30,6 +30,40 @@ def test_a_killed_rank_costs_a_pause_and_no_sample(capsys: Any) -> None:
     with capsys.disabled():
         print(f"\n[elastic] 4 -> 3 ranks: from the last step before the kill to the first step after "
               f"the re-forming (detection, settle, init, sync): {pause * 1e3:.0f} ms")
+
+
+def _newcomer(rank: int) -> dict[str, Any]:
+    """Started with the others, it waits until they hold at step 4, then joins the running job."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    from _elastic_job import train
+
+    store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), None, False,
+                          timeout=datetime.timedelta(seconds=60))
+    store.wait(["test/holding"])
+    return train(rank, -1, 4, how="hold")
+
+
+def test_a_newcomer_is_let_in_at_the_next_commit() -> None:
+    three = {"WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3"}
+    outcomes = spawn(4, _dispatch, env={"TORCHRING_TIMEOUT": "20"}, rank_env=[three, three, three, {}],
+                     expect_fail=True, timeout=120)
+    assert all(o.ok for o in outcomes), "\n".join(o.describe() for o in outcomes)
+    results = [o.value for o in outcomes]
+    # 4 steps of 3 ranks x 2 samples, then the other 24 as 3 steps of 4 ranks x 2
+    assert sorted((r["rank"], r["size"], r["epoch"]) for r in results) == [(k, 4, 1) for k in range(4)]
+    assert results[3]["rank"] == 3, "the newcomer ranks after the members"
+    assert all(r["steps"] == 7 for r in results), [r["steps"] for r in results]
+    assert check(results, 4) == []
+
+
+def _dispatch(rank: int) -> dict[str, Any]:
+    from _elastic_job import train
+
+    return _newcomer(rank) if rank == 3 else train(rank, -1, 4, how="hold")
 
 
 def _planned(rank: int) -> dict[str, Any]:
