@@ -1,4 +1,4 @@
-"""hvd.elastic.ElasticSampler in one process: the world's size and rank are patched, so each
+"""torchring.elastic.ElasticSampler (hvd.elastic's too) in one process: the world's size and rank are patched, so each
 "rank" is a sampler built with that rank, and the ranks' indices are checked together."""
 
 from __future__ import annotations
@@ -7,16 +7,16 @@ import random
 
 import pytest
 
-from torchring.horovod import basics
-from torchring.horovod.elastic.sampler import ElasticSampler
+from torchring._core import context
+from torchring.elastic.sampler import ElasticSampler
 
 
 @pytest.fixture
 def world(monkeypatch: pytest.MonkeyPatch):
-    """world(size, rank): makes basics.size()/rank() answer as that rank of that world."""
+    """world(size, rank): makes torchring's size()/rank() answer as that rank of that world."""
     where = {"size": 1, "rank": 0}
-    monkeypatch.setattr(basics, "size", lambda: where["size"])
-    monkeypatch.setattr(basics, "rank", lambda: where["rank"])
+    monkeypatch.setattr(context, "size", lambda: where["size"])
+    monkeypatch.setattr(context, "rank", lambda: where["rank"])
 
     def set_to(size: int, rank: int) -> None:
         where.update(size=size, rank=rank)
