@@ -36,7 +36,7 @@ from ..._core import errors as _errors, log as _log
 from .. import basics, runtime
 from ..exceptions import HorovodInternalError, HostsUpdatedInterrupt, communicator_failed
 from . import _commits
-from ...elastic.sampler import ElasticSampler
+from .sampler import ElasticSampler
 from .state import ObjectState, State, TorchState
 
 __all__ = ["run", "State", "ObjectState", "TorchState", "ElasticSampler", "HostsUpdatedInterrupt"]

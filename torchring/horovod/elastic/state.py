@@ -23,7 +23,7 @@ from ..exceptions import HostsUpdatedInterrupt
 from ..functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                          broadcast_parameters)
 from . import _commits
-from ...elastic.sampler import ElasticSampler
+from .sampler import ElasticSampler
 
 __all__ = ["State", "ObjectState", "TorchState", "HostsUpdatedInterrupt", "StateHandler",
            "ModelStateHandler", "OptimizerStateHandler", "SamplerStateHandler",
