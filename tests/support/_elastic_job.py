@@ -88,6 +88,42 @@ def train(launch_rank: int, victim: int, at_step: int, how: str = "kill", out_di
     return result
 
 
+def train_hvd(launch_rank: int, victim: int, at_step: int) -> dict[str, Any]:
+    """The same job through torchring.horovod: hvd.init, hvd.elastic.TorchState and run, a
+    summed hvd.allreduce; the victim SIGKILLs itself at step `at_step`."""
+    import torchring.horovod as hvd
+    from torchring.elastic import world
+
+    hvd.init()
+    model = Linear()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    sampler = hvd.elastic.ElasticSampler(list(range(SAMPLES)), shuffle=True, seed=5)
+    state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, step=0)
+    trained: list[list[int]] = []
+
+    @hvd.elastic.run
+    def run(state: Any) -> None:
+        indices = list(iter(state.sampler))
+        for b in range(0, len(indices), BATCH):
+            if hvd.rank() == victim and state.step == at_step and world.epoch() == 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+            chunk = indices[b:b + BATCH]
+            optimizer.zero_grad()
+            (model.w * sum(x(i) for i in chunk)).sum().backward()
+            model.w.grad.copy_(hvd.allreduce(model.w.grad, op=hvd.Sum))
+            optimizer.step()
+            state.sampler.record_batch(b // BATCH, BATCH)
+            state.step += 1
+            trained.append([world.epoch(), *chunk])
+            state.commit()
+
+    run(state)
+    result = {"w": model.w.detach().tolist(), "rank": hvd.rank(), "size": hvd.size(), "epoch": world.epoch(),
+              "steps": state.step, "trained": trained}
+    hvd.shutdown()
+    return result
+
+
 def _hold(state: Any) -> None:
     """Commit until the newcomer is let in (commit raises WorldChanged on every rank at once);
     rank 0 says in the store that the world is holding, for the newcomer to start then."""

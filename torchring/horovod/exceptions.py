@@ -29,11 +29,13 @@ class HorovodInternalError(RuntimeError):
 
 
 class HostsUpdatedInterrupt(RuntimeError):
-    """Hosts were added or removed (Horovod's signal to re-sync; torchrun restarts ranks instead)."""
+    """Hosts were added or removed: raised at a commit when processes wait to join (`joiners`),
+    or by user code; hvd.elastic.run re-forms the world then."""
 
-    def __init__(self, skip_sync: bool = False) -> None:
+    def __init__(self, skip_sync: bool = False, joiners: int = 0) -> None:
         super().__init__("hosts were updated")
         self.skip_sync = skip_sync
+        self.joiners = joiners
 
 
 def to_horovod(exc: BaseException) -> BaseException:

@@ -76,6 +76,21 @@ def shutdown() -> None:
     _context.shutdown()
 
 
+def reform(joiners: int = 0, settle: float | None = None) -> Any:
+    """Re-forms the world in process (torchring.elastic.reform: the survivors, and `joiners`
+    waiting processes) with Horovod's side stopped around it; returns the epoch joined."""
+    from ..elastic import world as _world  # here: elastic sits below hvd, and only elastic jobs re-form
+
+    basics._started = False
+    timeline.stop()
+    process_sets.stop()
+    handles.clear()
+    joined = _world.reform(joiners=joiners, settle=_world.DEFAULT_SETTLE_S if settle is None else settle)
+    process_sets_module_start(None)
+    basics._started = True
+    return joined
+
+
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """Starts writing the timeline to `file_path` on rank 0 (other ranks write none)."""
     if basics.rank() == 0:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from _dist import run_alone
+from _dist import run_alone, spawn
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -71,15 +71,37 @@ def _commit_and_restore(rank: int) -> dict[str, Any]:
     state.restore()
     assert torch.equal(opt.state_dict()["state"][0]["momentum_buffer"], momentum)
 
-    # run(): a collective failure restores the last commit and is raised again for the launcher
+    # run(): a collective failure restores the last commit, re-forms the world in process (here
+    # a world of 1 again, epoch 1) and runs the function again from the commit
+    seen: list[tuple[int, int]] = []
+
+    @elastic.run
+    def fails_once(state: Any) -> int:
+        from torchring.elastic import world
+        seen.append((state.epoch, world.epoch()))
+        if len(seen) == 1:
+            _step(state.model, state.optimizer)
+            state.epoch = 5
+            raise runtime.basics.HorovodInternalError("a peer died")
+        assert all(torch.equal(v, committed["model"][k]) for k, v in state.model.state_dict().items())
+        return len(seen)
+
+    assert fails_once(state) == 2 and seen == [(1, 0), (1, 1)] and runtime.basics.is_initialized()
+
+    # under torchrun's agent (TORCHELASTIC_RUN_ID), the failure restores and is raised again for
+    # the launcher, which restarts every rank
     @elastic.run
     def fails(state: Any) -> None:
         _step(state.model, state.optimizer)
         state.epoch = 5
         raise runtime.basics.HorovodInternalError("a peer died")
 
-    with pytest.raises(runtime.basics.HorovodInternalError, match="a peer died"):
-        fails(state)
+    os.environ["TORCHELASTIC_RUN_ID"] = "test"
+    try:
+        with pytest.raises(runtime.basics.HorovodInternalError, match="a peer died"):
+            fails(state)
+    finally:
+        del os.environ["TORCHELASTIC_RUN_ID"]
     assert state.epoch == 1
     assert all(torch.equal(v, committed["model"][k]) for k, v in model.state_dict().items())
 
@@ -94,7 +116,7 @@ def _commit_and_restore(rank: int) -> dict[str, Any]:
     assert state.epoch == 6
     state.restore()
 
-    # HostsUpdatedInterrupt (raised by user code here) resets in place: re-init, callbacks, again
+    # HostsUpdatedInterrupt (raised by user code here) resets in place: re-form, callbacks, again
     resets: list[int] = []
     state.register_reset_callbacks([lambda: resets.append(runtime.basics.size())])
 
@@ -187,3 +209,17 @@ def test_a_killed_rank_ends_with_the_same_model_as_no_failure(tmp_path: Path) ->
     assert list(want) == list(got)
     for key in want:
         assert torch.equal(want[key], got[key]), f"{key} differs after the restart"
+
+
+def test_a_killed_rank_recovers_in_process_as_in_horovod() -> None:
+    """4 ranks under hvd.elastic, rank 2 SIGKILLed at step 3: the survivors restore, re-form a
+    world of 3 in process and end with the weights of an epoch with every sample applied once."""
+    import signal
+
+    from _elastic_job import check, train_hvd
+
+    outcomes = spawn(4, train_hvd, 2, 3, env={"TORCHRING_TIMEOUT": "10"}, expect_fail=True, timeout=120)
+    assert outcomes[2].exitcode == -signal.SIGKILL, outcomes[2].describe()
+    survivors = [outcomes[r] for r in (0, 1, 3)]
+    assert all(o.ok for o in survivors), "\n".join(o.describe() for o in survivors)
+    assert check([o.value for o in survivors], 3) == []

@@ -58,8 +58,16 @@ class State:
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
-        """Never raises here: torchrun's agent restarts every rank when hosts come or go, so a
-        running rank has no host change to react to."""
+        """Raises HostsUpdatedInterrupt on every rank at once when processes wait to join the
+        world (a newcomer, or a survivor too late for the last re-forming): run() re-forms the
+        world with them. Under torchrun's agent, which restarts every rank when hosts come or
+        go, there are none."""
+        from ...elastic import world as _world  # here: only a commit asks
+
+        if basics.is_initialized():
+            joiners = _world.joiners_waiting()
+            if joiners:
+                raise HostsUpdatedInterrupt(skip_sync=False, joiners=joiners)
 
     def save(self) -> None:
         """Saves the state in memory."""
