@@ -44,15 +44,21 @@ class Linear(torch.nn.Module):
         super().__init__()
         self.w = torch.nn.Parameter(torch.zeros(FEATURES, dtype=torch.float64))
 
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return (self.w * inputs).sum()
 
-def train(launch_rank: int, victim: int, at_step: int, how: str = "kill", out_dir: str = "") -> dict[str, Any]:
+
+def train(launch_rank: int, victim: int, at_step: int, how: str = "kill", out_dir: str = "",
+          wrapped: bool = False) -> dict[str, Any]:
     """One rank of the job (the launcher's `launch_rank`; torchring initialized here); returns
-    what the test checks."""
+    what the test checks. `wrapped`: the gradients are averaged by torchring.wrap instead of
+    summed by an explicit allreduce (the weights are then a float reference's, not exact)."""
     import torchring
     import torchring.elastic as elastic
 
     elastic.init()
     model = Linear()
+    net = torchring.wrap(model) if wrapped else model
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     sampler = elastic.ElasticSampler(list(range(SAMPLES)), shuffle=True, seed=5)
     state = elastic.State(model=model, optimizer=optimizer, sampler=sampler, step=0)
@@ -69,8 +75,9 @@ def train(launch_rank: int, victim: int, at_step: int, how: str = "kill", out_di
                 _stop(how, out_dir)
             chunk = indices[b:b + BATCH]
             optimizer.zero_grad()
-            (model.w * sum(x(i) for i in chunk)).sum().backward()
-            torchring.allreduce(model.w.grad)  # a SUM: exact for integer-valued gradients
+            net(sum(x(i) for i in chunk)).backward()  # wrapped: the hooks average the gradient
+            if not wrapped:
+                torchring.allreduce(model.w.grad)  # a SUM: exact for integer-valued gradients
             optimizer.step()
             if elastic.epoch() == 0:
                 marks["last_step_before"] = time.monotonic()
@@ -109,7 +116,7 @@ def train_hvd(launch_rank: int, victim: int, at_step: int) -> dict[str, Any]:
                 os.kill(os.getpid(), signal.SIGKILL)
             chunk = indices[b:b + BATCH]
             optimizer.zero_grad()
-            (model.w * sum(x(i) for i in chunk)).sum().backward()
+            model(sum(x(i) for i in chunk)).backward()
             model.w.grad.copy_(hvd.allreduce(model.w.grad, op=hvd.Sum))
             optimizer.step()
             state.sampler.record_batch(b // BATCH, BATCH)
@@ -143,6 +150,24 @@ def _stop(how: str, out_dir: str) -> None:
     with open(os.path.join(out_dir, f"victim{os.environ.get('RANK', '?')}.json"), "w") as f:
         json.dump({"host": socket.gethostname(), "pid": os.getpid()}, f)
     time.sleep(600)  # the test kills, pauses or cuts off this host
+
+
+def averaged_reference(results: list[dict[str, Any]], world: int) -> torch.Tensor:
+    """The weights of a single process replaying the survivors' steps with gradients averaged
+    over the ranks of each step's world (`world` before the loss, one fewer after); the lost
+    rank's chunks in epoch 0 are the samples no survivor trained on by the last commit."""
+    steps_before = [len([s for s in r["trained"] if s[0] == 0]) for r in results][0]
+    seen_before = {i for r in results for s in r["trained"] if s[0] == 0 for i in s[1:]}
+    after_start = {i for r in results for s in r["trained"] if s[0] == 1 for i in s[1:]}
+    lost = sorted(set(range(SAMPLES)) - seen_before - after_start)
+    w = torch.zeros(FEATURES, dtype=torch.float64)
+    for k in range(steps_before):
+        chunks = [r["trained"][k][1:] for r in results] + [lost[k * BATCH:(k + 1) * BATCH]]
+        w -= LR * (sum(sum(x(i) for i in c) for c in chunks) / world)
+    for k in range(steps_before, len(results[0]["trained"])):
+        chunks = [r["trained"][k][1:] for r in results]
+        w -= LR * (sum(sum(x(i) for i in c) for c in chunks) / (world - 1))
+    return w
 
 
 def check(results: list[dict[str, Any]], size: int) -> list[str]:

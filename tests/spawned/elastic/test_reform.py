@@ -32,6 +32,21 @@ def test_a_killed_rank_costs_a_pause_and_no_sample(capsys: Any) -> None:
               f"the re-forming (detection, settle, init, sync): {pause * 1e3:.0f} ms")
 
 
+def test_wrap_keeps_averaging_over_the_re_formed_world() -> None:
+    from _elastic_job import averaged_reference
+
+    outcomes = spawn(4, train, 2, 3, "kill", "", True, env={"TORCHRING_TIMEOUT": "10"}, expect_fail=True,
+                     timeout=120)
+    survivors = [outcomes[r] for r in (0, 1, 3)]
+    assert all(o.ok for o in survivors), "\n".join(o.describe() for o in survivors)
+    results = [o.value for o in survivors]
+    assert [(r["rank"], r["size"]) for r in results] == [(0, 3), (1, 3), (2, 3)]
+    want = averaged_reference(results, 4)
+    for r in results:
+        got = torch.tensor(r["w"], dtype=torch.float64)
+        assert torch.allclose(got, want, rtol=1e-12, atol=0), (r["rank"], got.tolist(), want.tolist())
+
+
 def _newcomer(rank: int) -> dict[str, Any]:
     """Started with the others, it waits until they hold at step 4, then joins the running job."""
     import datetime
