@@ -77,8 +77,7 @@ class ElasticSampler(torch.utils.data.Sampler):
 
     def reset(self) -> None:
         """Splits what is left of the epoch over the current world."""
-        self.num_replicas = _context.size()
-        self.rank = _context.rank()
+        self.num_replicas, self.rank = _place()
         order = list(range(len(self.dataset)))
         if self.shuffle:
             random.Random(self.seed + self.epoch).shuffle(order)
@@ -96,3 +95,13 @@ class ElasticSampler(torch.utils.data.Sampler):
 
     def __len__(self) -> int:
         return self.num_samples
+
+
+def _place() -> tuple[int, int]:
+    """(world size, rank): torchring's world, else torch.distributed's default group (a job on
+    init_process_group alone)."""
+    import torch.distributed as dist  # here: torch.distributed is asked only without torchring's world
+
+    if not _context.is_initialized() and dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return _context.size(), _context.rank()

@@ -86,20 +86,40 @@ class State:
 
     def sync(self) -> None:
         """Every rank takes rank 0's entries (tensors of modules in place, the rest as objects),
-        then commits them, so that all ranks go back to the same point."""
-        if _context.is_initialized() and _context.size() > 1:
+        then commits them, so that all ranks go back to the same point. The world is
+        torchring's, or torch.distributed's default group for a job on init_process_group."""
+        bcast, bcast_object = _collectives()
+        if bcast is not None:
             others: dict[str, Any] = {}
             for name, obj in self._objects.items():
                 if isinstance(obj, torch.nn.Module):
                     for tensor in obj.state_dict().values():
-                        _basic.broadcast(tensor, 0)
+                        bcast(tensor)
                 else:
                     others[name] = obj.state_dict()
-            others, values = _basic.broadcast_object((others, self._values), 0)
+            others, values = bcast_object((others, self._values))
             for name, state_dict in others.items():
                 self._objects[name].load_state_dict(state_dict)
             object.__setattr__(self, "_values", values)
         self.save()
+
+
+def _collectives() -> tuple[Callable[[torch.Tensor], Any] | None, Callable[[Any], Any]]:
+    """(broadcast a tensor from rank 0 in place, broadcast an object from rank 0) over the
+    job's world: torchring's, else torch.distributed's default group; (None, ...) for one rank."""
+    import torch.distributed as dist  # here: only a job without torchring.init() uses it
+
+    if _context.is_initialized():
+        if _context.size() == 1:
+            return None, lambda obj: obj
+        return (lambda t: _basic.broadcast(t, 0)), (lambda obj: _basic.broadcast_object(obj, 0))
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        def bcast_object(obj: Any) -> Any:
+            box = [obj]
+            dist.broadcast_object_list(box, src=0)
+            return box[0]
+        return (lambda t: dist.broadcast(t, 0)), bcast_object
+    return None, lambda obj: obj
 
 
 def _to_cpu(value: Any) -> Any:

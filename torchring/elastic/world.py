@@ -166,3 +166,28 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return True
+
+
+def reform_process_group(backend: str = "torchring", min_size: int = 1, settle: float = DEFAULT_SETTLE_S,
+                         timeout: float | None = None) -> Epoch:
+    """reform() for a job on torch.distributed alone (DDP, FSDP on init_process_group): destroys
+    the default process group, agrees on the next epoch with the processes that call this too,
+    and initializes a new default group of `backend` for it, under the epoch's own store keys.
+    Wrap the model in DDP again afterwards (it broadcasts rank 0's parameters)."""
+    global _epoch, _store
+    import torch.distributed as dist  # here: only a job on torch.distributed's groups needs it
+
+    old_rank, old_world = dist.get_rank(), dist.get_world_size()
+    settings = _context.settings()
+    launch = _env.detect()
+    wait = settings.timeout if timeout is None else float(timeout)
+    dist.destroy_process_group()
+    host = settings.hostname or socket.gethostname()
+    store = _store = _rendezvous.store(launch, wait)
+    job = _job(launch)
+    joined = membership.join(store, job, _epoch + 1, Member(f"{host}:{os.getpid()}", old_rank, host),
+                             expected=old_world, min_size=min_size, settle=settle, timeout=wait)
+    _epoch = joined.number
+    dist.init_process_group(backend, store=dist.PrefixStore(f"torchring/{job}/process-group-{joined.number}/", store),
+                            rank=joined.rank, world_size=joined.size)
+    return joined
