@@ -7,7 +7,8 @@
 
 Needs no package index: torchring runs from this checkout (PYTHONPATH), and the peers that the
 machine lacks (Open MPI, mpi4py, DeepSpeed and its needs) travel as wheels in --wheels (default
-.whl/), installed with pip --no-index into a prefix of their own. The engine is built once, with
+.whl/, which benchmarks/gpu_wheels.sh fills), installed with pip --no-index into a prefix of their
+own. The engine is built once, with
 every core (MAX_JOBS); its build comes back as OUTDIR/engine-build.tar.gz, which --engine-cache
 restores on a later machine of the same kind instead of building again.
 
