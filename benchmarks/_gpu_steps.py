@@ -85,7 +85,8 @@ def _cpu_allreduce(world: int, limit_s: float, min_s: float, dry: bool = False) 
 # DeepSpeed compiles its shared-memory op on first use: alongside the engine's build, whose
 # longest source keeps most cores idle at the end, instead of inside the first timed world.
 DEEPSPEED_OP = ("-c", "import os; os.environ['DS_ACCELERATOR'] = 'cpu'\n"
-                      "try:\n    import deepspeed\nexcept ImportError as e:\n    raise SystemExit(f'no DeepSpeed: {e}')\n"
+                      "try:\n    import deepspeed\n"
+                      "except ImportError as e:\n    raise SystemExit(f'no DeepSpeed: {e}')\n"
                       "from deepspeed.ops.op_builder import ShareMemCommBuilder; ShareMemCommBuilder().load()\n"
                       "print('DeepSpeed', deepspeed.__version__, 'shared-memory op built')")
 

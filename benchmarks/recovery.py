@@ -126,7 +126,8 @@ def measure(out: str, world_after: int) -> dict[str, float]:
             with open(os.path.join(out, name)) as f:
                 logs.append([json.loads(line) for line in f])
     before = max(e["step"] for log in logs for e in log if e["t"] < killed["t"])
-    firsts = [min(e["t"] for e in log if e["t"] > killed["t"]) for log in logs if any(e["t"] > killed["t"] for e in log)]
+    after = [[e["t"] for e in log if e["t"] > killed["t"]] for log in logs]
+    firsts = [min(times) for times in after if times]
     if len(firsts) < world_after:
         raise SystemExit(f"{len(firsts)} ranks stepped after the kill, expected {world_after}")
     resumed = min(e["step"] for log in logs for e in log if e["t"] > killed["t"]) - 1

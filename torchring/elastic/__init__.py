@@ -31,7 +31,8 @@ from .sampler import ElasticSampler
 from .state import State
 from .world import DEFAULT_SETTLE_S, WorldChanged, epoch, init, reform, reform_process_group
 
-__all__ = ["init", "run", "reform", "reform_process_group", "epoch", "Epoch", "Member", "NotAMemberError", "State", "ElasticSampler", "WorldChanged", "recover"]
+__all__ = ["init", "run", "reform", "reform_process_group", "epoch", "Epoch", "Member", "NotAMemberError",
+           "State", "ElasticSampler", "WorldChanged", "recover"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 

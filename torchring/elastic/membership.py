@@ -12,18 +12,19 @@ order, its own new rank, the new world size.
                       decide wins, every joiner reads the same n
     and             torchring/{job}/elastic/current   the newest closed epoch, for newcomers
 
-Members already in a world let waiting processes in at a commit: pending() counts the joiners of
-the next epoch, and the members join it too, expecting them. The epoch closes as soon as `expected` joiners arrived (every member of the old world that is
-still alive; a failure names the dead one, so survivors expect old world - known dead), or once
-no new joiner arrived for `settle` seconds while at least `min_size` are there (a member that
-died silently never arrives). Joiners 1..n are the epoch's members; a joiner that arrives after
-the close (a = n + 1, ...) is not, and learns so by name. The members' new ranks keep the old
+The epoch closes as soon as `expected` joiners arrived (the old world less the members known
+dead: world.py counts the dead processes on its own host, and adds the joiners known to wait), or
+once no new joiner arrived for `settle` seconds while at least `min_size` are there (a lost host's
+ranks never arrive; a silent one's survivors each notice on their own clock, so world.py waits one
+timeout more for them). Members already in a world let waiting processes in at a commit:
+pending() counts the joiners of the next epoch, and the members join it too, expecting them.
+Joiners 1..n are the epoch's members; a joiner that arrives after the close (a = n + 1, ...) is
+not, and learns so by name. The members' new ranks keep the old
 order: survivors sorted by their old rank, newcomers after them in arrival order, so rank 0
 stays rank 0 unless it was lost.
 
-Stale processes cannot join a newer epoch by accident: every epoch's wiring lives under its own
-store prefix with its own secret (the engine's handshake checks it), and join() refuses an epoch
-number that is not the next one.
+Stale processes cannot join a newer epoch's world by accident: every epoch's wiring lives under
+its own store prefix with its own secret, which the engine's handshake checks.
 """
 
 from __future__ import annotations
@@ -86,9 +87,9 @@ def join(store: Any, job: str, epoch: int, me: Member, expected: int, min_size: 
          timeout: float, poll: float = 0.01, may_close: bool = True) -> Epoch:
     """Joins `epoch` of `job` and returns it once closed (see the module docstring); raises
     NotAMemberError if it closed before this process arrived, TimeoutError if fewer than
-    `min_size` joined within `timeout` seconds (with enough, the settle time decides). A joiner with `may_close` False only waits: it
-    is let in when the members come (a process waiting for a running world cannot tell how many
-    will)."""
+    `min_size` joined within `timeout` seconds (with enough, the settle time decides). A joiner
+    with `may_close` False only waits: it is let in when the members come (a process waiting
+    for a running world cannot tell how many will)."""
     keys = _prefix(job, epoch)
     arrival = int(store.add(keys + "arrivals", 1))
     store.set(keys + f"member/{arrival}", json.dumps(dataclasses.asdict(me)))

@@ -105,7 +105,7 @@ def reform(min_size: int = 1, settle: float = DEFAULT_SETTLE_S, timeout: float |
     _context.shutdown()
     host = settings.hostname or socket.gethostname()
     me = Member(f"{host}:{os.getpid()}", old_rank, host)
-    if old_world == 1:
+    if old_world == 1 and not joiners:  # alone, and nobody waits: nothing to agree on
         joined = Epoch(_epoch + 1, (me,), 0)
     else:
         store = _store = _rendezvous.store(launch, wait)
