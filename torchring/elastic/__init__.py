@@ -76,8 +76,8 @@ def run(func: F) -> F:
     @functools.wraps(func)
     def wrapper(state: Any, *args: Any, **kwargs: Any) -> Any:
         while True:
-            state.sync()
             try:
+                state.sync()  # inside: a world that fails again while syncing re-forms again
                 return func(state, *args, **kwargs)
             except _errors.CommunicatorFailedError as exc:
                 recover(state, exc)
