@@ -30,10 +30,11 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # ---------------------------------------------------------------- the machine and the run's record
 
-def copy_bandwidth(nbytes: int = 256 * 2**20, reps: int = 5) -> float:
-    """Single-thread torch copy_ bandwidth in GB/s, counting read + write (STREAM)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def copy_bandwidth(nbytes: int = 256 * 2**20, reps: int = 5, threads: int = 1) -> float:
+    """torch copy_ bandwidth with `threads` threads (one unless given) in GB/s, counting
+    read + write (STREAM); the median of `reps` copies."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
     dst.copy_(src)
     times = []
@@ -41,7 +42,7 @@ def copy_bandwidth(nbytes: int = 256 * 2**20, reps: int = 5) -> float:
         start = time.perf_counter()
         dst.copy_(src)
         times.append(time.perf_counter() - start)
-    torch.set_num_threads(threads)
+    torch.set_num_threads(before)
     return 2 * nbytes / statistics.median(times) / 1e9
 
 

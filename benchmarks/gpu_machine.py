@@ -14,28 +14,12 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from typing import Any
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import copy_bandwidth, machine_info, parse_args  # noqa: E402
-
-
-def host_copy_all_cores(nbytes: int = 1 << 30, reps: int = 5) -> float:
-    """torch copy_ of `nbytes` with every core's thread, GB/s (read + write)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)
-    src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
-    dst.copy_(src)
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - start)
-    torch.set_num_threads(threads)
-    return 2 * nbytes / statistics.median(times) / 1e9
 
 
 def gpu_info() -> dict[str, Any]:
@@ -98,7 +82,7 @@ def main() -> None:
     parser.add_argument("--json", help="write the record here")
     args = parse_args(parser)
     info = {**machine_info(), **cpu_flags(), "copy_t1_GBps": copy_bandwidth(),
-            "copy_all_cores_GBps": host_copy_all_cores(), **toolchain(), **gpu_info()}
+            "copy_all_cores_GBps": copy_bandwidth(1 << 30, threads=os.cpu_count() or 1), **toolchain(), **gpu_info()}
     for key, value in info.items():
         print(f"{key}: {value}")
     if args.json:
