@@ -23,7 +23,7 @@ import torch
 
 from _checks import Checker, expected_allreduce, rank_input
 from _dist import Outcome, session, spawn
-from _mismatches import ASYNC_CASE, MISMATCHES, Call, expected_pair, message_problem
+from _mismatch_job import check_results, run_cases
 
 STAGED = {"TORCHRING_CUDA_PATH": "staged"}
 MISMATCH_TIMEOUT = 20.0  # TORCHRING_TIMEOUT of the mismatch job: a mismatch must be found long before
@@ -43,34 +43,6 @@ def _device(device_type: str, chk: Checker) -> torch.device:
     if dev is None:
         raise RuntimeError(f"no CUDA device: {torchring.cuda.reason()}")
     return dev
-
-
-def _issue(call: Call, rank: int, world: int, dev: torch.device) -> Any:
-    """One call of a mismatch case, its tensor on `dev`."""
-    import torchring
-
-    kind, dtype, shape, op, src = call
-    numel = 1
-    for d in shape:
-        numel *= d
-    t = rank_input(rank, world, numel, dtype, "SUM", shape).to(dev)
-    if kind == "allreduce":
-        return torchring.allreduce(t, getattr(torchring.ReduceOp, op))
-    if kind == "broadcast":
-        return torchring.broadcast(t, min(src, world - 1))
-    if kind == "reduce_scatter":
-        return torchring.reduce_scatter(t)
-    if kind == "barrier":
-        return torchring.barrier()
-    return torchring.allgather(t)
-
-
-def _exact(chk: Checker, rank: int, world: int, dev: torch.device, what: str) -> None:
-    import torchring
-
-    t = rank_input(rank, world, 300, torch.float32).to(dev)
-    torchring.allreduce(t)
-    chk.equal(what, t.cpu(), expected_allreduce(world, 300, torch.float32, "SUM"))
 
 
 def _timed_wait(chk: Checker, rank: int, world: int, dev: torch.device) -> str | None:
@@ -101,7 +73,7 @@ def _timed_wait(chk: Checker, rank: int, world: int, dev: torch.device) -> str |
 
 def _mismatch_job(rank: int, odd: int, device_type: str) -> dict[str, Any]:
     """A timed wait, then every mismatch case with an exact allreduce after each, then async
-    handles behind a mismatched one."""
+    handles behind a mismatched one (_mismatch_job.run_cases)."""
     import torchring
 
     chk = Checker(rank)
@@ -109,55 +81,14 @@ def _mismatch_job(rank: int, odd: int, device_type: str) -> dict[str, Any]:
         world = torchring.size()
         dev = _device(device_type, chk)
         expired = _timed_wait(chk, rank, world, dev)
-        errors: dict[str, list[str | None]] = {}
-        elapsed: dict[str, float] = {}
-        for case, (agree, differ, _) in MISMATCHES.items():
-            start, errors[case] = time.monotonic(), []
-            for call in differ if rank == odd else agree:
-                try:
-                    _issue(call, rank, world, dev)
-                    errors[case].append(None)
-                except torchring.CollectiveMismatchError as e:
-                    errors[case].append(str(e))
-            elapsed[case] = time.monotonic() - start
-            _exact(chk, rank, world, dev, f"allreduce after the {case} mismatch")
-        bad = torch.zeros((ASYNC_CASE[1] if rank == odd else ASYNC_CASE[0])[0][2], device=dev)
-        first = torchring.allreduce_async(bad)
-        second = torchring.allreduce_async(rank_input(rank, world, 500, torch.int64).to(dev))
-        third = torchring.allgather_async(torch.full((rank + 1, 2), rank, dtype=torch.int32, device=dev))
-        try:
-            first.wait()
-            errors["async"] = [None]
-        except torchring.CollectiveMismatchError as e:
-            errors["async"] = [str(e)]
-        chk.equal("async allreduce after a mismatched one", second.wait().cpu(),
-                  expected_allreduce(world, 500, torch.int64, "SUM"))
-        want = torch.cat([torch.full((r + 1, 2), r, dtype=torch.int32) for r in range(world)])
-        chk.equal("async allgather after a mismatched one", third.wait().cpu(), want)
+        errors, elapsed = run_cases(chk, rank, world, odd, dev)
     return {"errors": errors, "elapsed": elapsed, "failures": chk.failures, "expired": expired}
 
 
 def check_mismatch_results(results: list[dict[str, Any]], odd: int, world: int) -> None:
     """Every rank raised for every call of every case, naming rank 0's call and the first
     differing rank's; quickly; the ranks word it alike; the timed wait expired on rank 0."""
-    cases = {**MISMATCHES, "async": (*ASYNC_CASE, ["float32[8]", "float32[7]"])}
-    for rank, r in enumerate(results):
-        assert not r["failures"], "\n".join(r["failures"])
-        assert set(r["errors"]) == set(cases), f"rank {rank}: cases run: {sorted(r['errors'])}"
-        for case, (agree, differ, words) in cases.items():
-            errs = r["errors"][case]
-            assert len(errs) == len(agree), f"rank {rank}: {case}: {len(errs)} calls recorded"
-            for i, err in enumerate(errs):
-                problem = message_problem(err, rank, expected_pair(agree, differ, odd, world, i))
-                assert problem is None, f"rank {rank}, {case} mismatch, call {i}: {problem}"
-                for word in words:
-                    assert word in err, f"rank {rank}: {word!r} missing from the {case} error: {err!r}"
-        slow = {c: round(t, 1) for c, t in r["elapsed"].items() if t > MISMATCH_TIMEOUT * 0.75}
-        assert not slow, f"rank {rank}: mismatches found only near the timeout: {slow}"
-    for case in cases:
-        for i in range(len(cases[case][0])):
-            bodies = {r["errors"][case][i].split(": ", 1)[1] for r in results}
-            assert len(bodies) == 1, f"{case} call {i}: the ranks disagree: {sorted(bodies)}"
+    check_results(results, odd, world, MISMATCH_TIMEOUT * 0.75, "mismatches found only near the timeout")
     expired = results[0]["expired"]
     assert expired is not None and "Handle.wait(timeout=0.2) expired" in expired, expired
 
