@@ -216,8 +216,7 @@ def main() -> int:
                 stopped = step.name
             if step.name == "build" and rc == 0 and not args.dry_run:
                 pack_engine(out, cache)
-            for produced in [out / "gpu_suite.log"]:
-                shutil.copy(produced, work / produced.name)
+            shutil.copy(out / "gpu_suite.log", work / "gpu_suite.log")
             pack(out, work)
             (out / "summary.md").write_text("\n".join(summary) + "\n")
     (out / "summary.md").write_text("\n".join(summary) + "\n")

@@ -45,7 +45,7 @@ def recover(state: Any, error: BaseException) -> Epoch:
     joined = reform(settle=settle_after(error))
     _log.logger.warning("rank %s: %s; the world is re-formed in process as epoch %d: %d ranks, this "
                         "one now rank %d, back at the last commit", before,
-                        _what_failed(error),
+                        failure_summary(error),
                         joined.number, joined.size, joined.rank)
     return joined
 
@@ -59,7 +59,7 @@ def settle_after(error: BaseException) -> float:
     return DEFAULT_SETTLE_S + (_context.settings().timeout if silent else 0.0)
 
 
-def _what_failed(error: BaseException) -> str:
+def failure_summary(error: BaseException) -> str:
     """The failure's first clause (its advice to restart the job does not apply here)."""
     text = str(error).splitlines()[0] if str(error) else type(error).__name__
     return text.split("; ")[0]

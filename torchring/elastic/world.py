@@ -62,6 +62,12 @@ def _job(launch: _env.Launch) -> str:
     return f"{_context.job(_context.settings(), launch)}/{launch.restart}"
 
 
+def _me(settings: Any, old_rank: int) -> Member:
+    """This process as a joiner: host:pid, its rank in the world it leaves (-1: a newcomer)."""
+    host = settings.hostname or socket.gethostname()
+    return Member(f"{host}:{os.getpid()}", old_rank, host)
+
+
 def init(timeout: float | None = None, join_timeout: float = JOIN_TIMEOUT_S) -> Epoch:
     """Joins the job: as launched when it is starting (torchring.init()), or, when its world
     already runs (a replacement, a host added), as a newcomer that the members let in at
@@ -80,8 +86,7 @@ def init(timeout: float | None = None, join_timeout: float = JOIN_TIMEOUT_S) -> 
         if _context.rank() == 0:
             store.set(_running_key(job), "1")
         return Epoch(0, (), _context.rank())
-    host = settings.hostname or socket.gethostname()
-    me = Member(f"{host}:{os.getpid()}", -1, host)
+    me = _me(settings, -1)
     joined = membership.join(store, job, membership.current(store, job) + 1, me, expected=0, min_size=1,
                              settle=DEFAULT_SETTLE_S, timeout=join_timeout, may_close=False)
     _epoch = joined.number
@@ -103,8 +108,7 @@ def reform(min_size: int = 1, settle: float = DEFAULT_SETTLE_S, timeout: float |
     wait = settings.timeout if timeout is None else float(timeout)
     gone = dead_neighbours(*_context.wiring(), old_rank, old_world)
     _context.shutdown()
-    host = settings.hostname or socket.gethostname()
-    me = Member(f"{host}:{os.getpid()}", old_rank, host)
+    me = _me(settings, old_rank)
     if old_world == 1 and not joiners:  # alone, and nobody waits: nothing to agree on
         joined = Epoch(_epoch + 1, (me,), 0)
     else:
@@ -182,10 +186,9 @@ def reform_process_group(backend: str = "torchring", min_size: int = 1, settle: 
     launch = _env.detect()
     wait = settings.timeout if timeout is None else float(timeout)
     dist.destroy_process_group()
-    host = settings.hostname or socket.gethostname()
     store = _store = _rendezvous.store(launch, wait)
     job = _job(launch)
-    joined = membership.join(store, job, _epoch + 1, Member(f"{host}:{os.getpid()}", old_rank, host),
+    joined = membership.join(store, job, _epoch + 1, _me(settings, old_rank),
                              expected=old_world, min_size=min_size, settle=settle, timeout=wait)
     _epoch = joined.number
     dist.init_process_group(backend, store=dist.PrefixStore(f"torchring/{job}/process-group-{joined.number}/", store),

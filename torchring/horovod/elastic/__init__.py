@@ -91,7 +91,7 @@ def run(func: F) -> F:
                 joined = runtime.reform(settle=_elastic.settle_after(exc))
                 _log.logger.warning("rank %d: hvd.elastic.run: %s; the world is re-formed in process as "
                                     "epoch %d: %d ranks, back at the last commit", joined.rank,
-                                    str(exc).splitlines()[0].split("; ")[0] if str(exc) else type(exc).__name__,
+                                    _elastic.failure_summary(exc),
                                     joined.number, joined.size)
                 skip_sync = False
             except HostsUpdatedInterrupt as exc:  # at a commit (joiners wait) or from user code
