@@ -1,5 +1,6 @@
-"""torchring.elastic.ElasticSampler (hvd.elastic's too) in one process: the world's size and rank are patched, so each
-"rank" is a sampler built with that rank, and the ranks' indices are checked together."""
+"""torchring.elastic.ElasticSampler (hvd.elastic's too) in one process: the world's size and rank
+are patched, so each "rank" is a sampler built with that rank, and the ranks' indices are checked
+together."""
 
 from __future__ import annotations
 
