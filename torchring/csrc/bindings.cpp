@@ -318,6 +318,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           },
           py::arg("store"), py::arg("where") = "")
       .def("shutdown", &Communicator::shutdown, py::call_guard<py::gil_scoped_release>())
+      .def("abort", &Communicator::abort, py::arg("why"), py::call_guard<py::gil_scoped_release>())
+      .def("failure", &Communicator::failure, py::call_guard<py::gil_scoped_release>())
       .def(
           "submit",
           [](Communicator& c, int kind, std::optional<at::Tensor> tensor, int op, int root, bool runInline,

@@ -62,6 +62,11 @@ void C10dBackend::shutdown() {
   if (completer_) completer_->stop();
 }
 
+void C10dBackend::abort() {
+  if (comm_) comm_->abort(label_ + "rank " + std::to_string(rank_) + " aborted its torchring process group");
+  if (completer_) completer_->stop();
+}
+
 std::string C10dBackend::where(const char* op) const {
   std::ostringstream out;
   out << label_ << "rank " << rank_ << ": torch.distributed " << op << " on the torchring backend";

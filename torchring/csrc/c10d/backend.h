@@ -70,6 +70,9 @@ class C10dBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
   void shutdown() override;
+  // ProcessGroup.abort(), from any thread: the operation in flight fails now, on this rank
+  // and its peers (Communicator::abort), and so does every later one.
+  void abort() override;
   // The number of collectives this group has issued: TORCH_DISTRIBUTED_DEBUG=DETAIL's wrapper
   // compares it across ranks before each collective. It starts at 0 on every rank (the group is
   // new on all of them), so no store round trip is needed to agree on a start.

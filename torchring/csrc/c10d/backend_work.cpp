@@ -75,6 +75,19 @@ C10dWork::C10dWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs,
       isNested_(nested),
       future_(c10::make_intrusive<c10::ivalue::Future>(futureType(nested), devicesOf(outputs_, nested_))) {}
 
+bool C10dWork::wait(std::chrono::milliseconds timeout) {
+  try {
+    return c10d::Work::wait(timeout);
+  } catch (const c10::Error&) {
+    if (timeout == kNoTimeout || isCompleted()) throw;  // the operation's own failure
+  }
+  TORCH_CHECK(false, "rank ", rank_, ": torch.distributed ", c10d::opTypeToString(opType_),
+              " on the torchring backend timed out after ", timeout.count(),
+              " ms in Work.wait(timeout): it is still waiting for its peers (a send or recv for the "
+              "matching recv or send). It keeps running and the process group stays usable: wait "
+              "again, or abort the group");
+}
+
 void C10dWork::complete() {
   std::exception_ptr error;
   try {

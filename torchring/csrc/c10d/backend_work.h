@@ -35,6 +35,9 @@ class C10dWork : public c10d::Work {
            std::vector<std::vector<at::Tensor>> nestedOutputs);
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
   std::vector<at::Tensor> result() override { return outputs_; }
+  // Work.wait(timeout): as c10d's, but a wait that expires names the rank, the operation and
+  // what it still waits for (the operation keeps running; the process group stays usable).
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
   // Runs post() (unless an engine operation failed), then completes the Work and its Future.
   void complete();
 

@@ -139,10 +139,16 @@ void Communicator::shutdown() {
     if (stopping_) return;
     stopping_ = true;
     dropped.swap(queue_);
-    inFlight = busy_;
+    // An operation whose handle is already complete is only clearing busy_ (its caller may
+    // have seen the result and shut down in that instant): waiting for it is immediate, and
+    // aborting would fail the peers still finishing that very operation.
+    inFlight = busy_ && !(running_ && running_->isCompleted());
   }
   cv_.notify_all();
-  if (inFlight) {
+  if (!inFlight) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    cv_.wait(lock, [&] { return !busy_; });
+  } else {
     // An operation is running (on the worker or inline on another thread): make it fail
     // now instead of after the timeout, and wait for it before tearing the transports down.
     if (shm_) {
@@ -160,6 +166,7 @@ void Communicator::shutdown() {
                             " was not run: " + kShutdownCall.torchring + " was called while it was queued")));
   }
   if (worker_.joinable()) worker_.join();
+  if (shm_) shm_->depart();  // every operation this rank started is over: peers stop waiting
   if (tcp_) tcp_->close();
   if (shm_) shm_->unlinkOwn();
 }
@@ -257,6 +264,24 @@ void Communicator::checkPeer(const at::Tensor& tensor, int peer, int64_t tag, co
   }
 }
 
+void Communicator::abort(const std::string& why) {
+  if (forkGeneration() == forkGeneration_) {  // a forked child's copy only lets go (shutdown)
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (failure_.empty()) failure_ = why;
+    }
+    if (shm_) shm_->abort(why);
+    if (tcp_) tcp_->interrupt();
+    postFailure(why);
+  }
+  shutdown();
+}
+
+std::string Communicator::failure() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return failure_;
+}
+
 void Communicator::onP2PFailure(const std::string& message) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -319,11 +344,13 @@ void Communicator::workerLoop() {
 
 void Communicator::runExclusive(Op& op, std::unique_lock<std::mutex>& lock, bool onWorker) {
   busy_ = true;
+  running_ = op.work;
   lock.unlock();
   if (shm_) shm_->setOnProgressThread(onWorker);
   execute(op);
   lock.lock();
   busy_ = false;
+  running_.reset();
   // shutdown() may wait for busy_ to clear, the worker for a free slot when work is queued.
   // Only then: waking the idle worker after every inline call would cost each call a
   // context switch on the caller's core.
@@ -353,6 +380,12 @@ void Communicator::execute(Op& op) {
   std::string failure;
   at::Tensor result;
   try {
+    // A local peer aborted the group (Communicator::abort, or its own failure): every wait of
+    // this operation may already be satisfied by what that peer staged before, so look first.
+    const std::string aborted = shm_ ? shm_->abortMessage() : std::string();
+    if (!aborted.empty()) {
+      throw CommFailedError(rankText() + ": " + op.header.label() + " aborted because another rank failed: " + aborted);
+    }
     result = run(op);
   } catch (const MismatchError&) {
     if (shm_) shm_->markDone(op.header.seq);

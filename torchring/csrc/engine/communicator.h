@@ -119,6 +119,12 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   void setFailureBoard(FailureBoard board);
   // Fails queued operations, stops the progress thread and closes every transport.
   void shutdown();
+  // shutdown() for a group given up on, callable from any thread: the operation in flight
+  // and every later one fail with `why`, which local peers read at once (the shared-memory
+  // abort) and remote ones on the failure board, instead of waiting out the timeout.
+  void abort(const std::string& why);
+  // The first failure ("" while none): once set, every operation fails.
+  std::string failure();
 
   // Queues a collective on `tensor` and returns its handle. Operations run in submission
   // order, which must be the same on every rank. With runInline, an idle communicator runs
@@ -225,6 +231,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   std::condition_variable cv_;
   std::deque<Op> queue_;
   bool busy_ = false, stopping_ = false;
+  std::shared_ptr<CpuWork> running_;  // the handle of the operation in flight (busy_)
   uint64_t nextSeq_ = 0;
   // The first failure; every later operation reports it (its errors add kRecoveryHint).
   std::string failure_;

@@ -191,6 +191,14 @@ void P2P::checkDeadlines() {
         failAll(rankText() + ": point-to-point transfers with " + p + " failed: " + trouble, true, false);
         return;
       }
+      // A departed peer's last messages are read within a second of its leaving, as a TCP
+      // peer's after it hung up.
+      if (shm_->departed(opt_.rankLocal[peer]) && secondsSince(link.lastActive) > 1.0) {
+        failAll(rankText() + ": point-to-point transfers with " + p + " failed: Connection closed by peer: " + p +
+                    " (same host) shut its communicator down before they completed",
+                true, false);
+        return;
+      }
     }
     std::vector<std::shared_ptr<Pending>> recvs(link.posted.begin(), link.posted.end());
     for (auto& [id, op] : link.cleared) recvs.push_back(op);

@@ -110,6 +110,7 @@ std::string ShmGroup::create(const std::string& nameTag) {
   own->pid = getpid();
   own->pidNamespace = pidNamespace();
   own->rank = opt_.localRanks[opt_.localIndex];
+  own->departed.store(0, std::memory_order_relaxed);
   std::fill(std::begin(own->cpus), std::end(own->cpus), 0);
   affinityMask(own->cpus);
   ownCpus_ = countCpus(own->cpus);

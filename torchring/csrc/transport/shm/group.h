@@ -128,6 +128,16 @@ class ShmGroup {
 
   // Marks the group failed with `message` and wakes every waiter (first caller wins).
   void abort(const std::string& message);
+  // Marks this rank as gone for good (its communicator shut down, every operation it
+  // started done) and wakes its waiters: a peer still waiting for it fails at once with
+  // "Connection closed by peer" instead of after the timeout.
+  void depart();
+  // The message of the group's abort ("" while none): a rank about to start an operation
+  // fails it at once instead of running it with the peers that are still there.
+  std::string abortMessage() const;
+  // Whether local rank `index` has departed (point-to-point: its last messages may still be
+  // in flight, so the caller decides when that means a transfer can no longer complete).
+  bool departed(int index) const;
 
  private:
   struct Control;  // region.h

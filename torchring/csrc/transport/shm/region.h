@@ -36,6 +36,7 @@ struct ShmGroup::Control {
   alignas(64) std::atomic<uint32_t> sleepers;   // peers sleeping on `stamp`
   alignas(64) std::atomic<uint64_t> progress;   // (seq << 1) | done, for timeout messages
   std::atomic<uint64_t> heartbeat;              // bumped by progress outside shared memory
+  std::atomic<uint32_t> departed;               // 1 once the owner shut its communicator down
   uint64_t segmentBytes, stagingOffset, arenaOffset, worldSize;  // layout, checked by peers
   uint64_t oneShotBytes;                        // checked too: it sets how many waits a step has
   uint64_t cpus[16];                            // the owner's CPU affinity mask (CPUs 0-1023)

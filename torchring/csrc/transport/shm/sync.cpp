@@ -95,6 +95,9 @@ void ShmGroup::waitFor(int index, uint32_t target) {
     if (static_cast<int32_t>(seen - target) < 0) futexWait(&peer->stamp, seen, 2000000);
     peer->sleepers.fetch_sub(1, std::memory_order_seq_cst);
     if (reached()) return;
+    // A departed peer arrived at every phase it ever will before it set the flag, so the
+    // flag, read after the stamp still falls short, means this wait can never end.
+    if (peer->departed.load(std::memory_order_acquire) != 0 && !reached()) failWaiting(index, "left");
     if (secondsSince(lastCheck) > kCheckInterval) {
       lastCheck = Clock::now();
       const uint64_t ns = control(opt_.localIndex)->pidNamespace;
@@ -131,7 +134,11 @@ void ShmGroup::failWaiting(int index, const char* why) const {
   uint64_t progress = peer->progress.load();
   std::ostringstream msg;
   msg << "rank " << opt_.localRanks[opt_.localIndex] << " (this process): " << currentWhat();
-  if (std::strcmp(why, "died") == 0) {
+  if (std::strcmp(why, "left") == 0) {
+    msg << " failed: Connection closed by peer: rank " << peer->rank << " (pid " << peer->pid
+        << ", same host) shut its communicator down while this rank waited for it; re-form the "
+           "group without it (torchring.elastic) or have every rank issue the same collectives";
+  } else if (std::strcmp(why, "died") == 0) {
     msg << " failed: rank " << peer->rank << " (pid " << peer->pid
         << ", same host) died; the job cannot continue, restart it (torchrun --max-restarts)";
   } else {
@@ -155,6 +162,24 @@ std::string ShmGroup::peerTrouble(int index) const {
     return "rank " + std::to_string(peer->rank) + " (pid " + std::to_string(peer->pid) + ", same host) died";
   }
   return "";
+}
+
+std::string ShmGroup::abortMessage() const {
+  if (mappings_.empty() || !mappings_[0]) return "";
+  Control* leader = control(0);
+  if (leader->abortState.load(std::memory_order_acquire) != 2) return "";
+  return std::string(leader->abortMessage);
+}
+
+bool ShmGroup::departed(int index) const {
+  return control(index)->departed.load(std::memory_order_acquire) != 0;
+}
+
+void ShmGroup::depart() {
+  if (mappings_.empty() || !mappings_[opt_.localIndex]) return;
+  Control* own = control(opt_.localIndex);
+  own->departed.store(1, std::memory_order_release);
+  futexWakeAll(&own->stamp);
 }
 
 void ShmGroup::abort(const std::string& message) {
