@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ._core import build as _build, env as _env, rendezvous as _rendezvous
 from ._core.settings import Settings
 
-__all__ = ["register", "BACKEND_NAME"]
+__all__ = ["register", "connect_backend", "BACKEND_NAME"]
 
 BACKEND_NAME = "torchring"
 
@@ -41,21 +41,28 @@ def _label(group_id: str, ranks: list[int], world: int) -> str:
 
 def _create(options: Any, pg_options: Any = None) -> Any:
     """torch's creator callback: the backend for one process group."""
-    store, rank, size = options.store, int(options.group_rank), int(options.group_size)
-    settings = Settings.from_env(os.environ)
-    timeout = options.timeout.total_seconds() if options.timeout is not None else settings.timeout
-    settings = dataclasses.replace(settings, timeout=float(timeout))
-    engine = _build.load()
-    host = settings.hostname or socket.gethostname()
+    timeout = options.timeout.total_seconds() if options.timeout is not None else None
     ranks = list(getattr(options, "global_ranks_in_group", []) or [])
+    size = int(options.group_size)
     world = dist.get_world_size() if dist.is_initialized() else size
     label = _label(str(getattr(options, "group_id", "")), ranks, max(world, size))
+    return connect_backend(options.store, int(options.group_rank), size, timeout, label)[0]
+
+
+def connect_backend(store: Any, rank: int, size: int, timeout: float | None, label: str = "",
+                    store_host: str | None = None) -> tuple[Any, Any]:
+    """(C++ c10d backend, its engine Communicator) for one group of `size` ranks met through `store`."""
+    settings = Settings.from_env(os.environ)
+    if timeout is not None:
+        settings = dataclasses.replace(settings, timeout=float(timeout))
+    engine = _build.load()
+    host = settings.hostname or socket.gethostname()
     # The host of the store's address: where the route to it starts. torch hands the rank and
     # the world, so nothing else of the launch is read (its variables may be partial).
-    master_addr = _env.store_host() if size > 1 else "127.0.0.1"
+    master_addr = store_host or _env.store_host() if size > 1 else "127.0.0.1"
     comm = _rendezvous.connect(engine, store, "torchring/", rank, size, settings, host, master_addr,
                                secret_from="the group's rank 0", arena_bytes=0, label=label).comm
-    return engine.make_c10d_backend(comm, rank, size, label)
+    return engine.make_c10d_backend(comm, rank, size, label), comm
 
 
 def register() -> None:

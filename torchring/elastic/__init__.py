@@ -18,6 +18,9 @@ again. A mismatch (CollectiveMismatchError) leaves the communicator usable and r
 caller untouched. A process that waits to join (one that came too late for the survivors'
 epoch, or a newcomer) is let in at the next commit(): every rank raises WorldChanged there and
 run() re-forms the world with it.
+
+torchft users keep torchft's Manager and quorums and take torchring's process group instead of
+gloo's: ``torchring.elastic.torchft.ProcessGroupTorchring`` (imported on its own: it needs torchft).
 """
 
 from __future__ import annotations

@@ -1,0 +1,146 @@
+"""torchft's cross-replica allreduce on torchring's process group against torchft's gloo group.
+
+    python benchmarks/torchft_allreduce.py                      # 2 replicas, 64 MiB, 3 repeats
+    python benchmarks/torchft_allreduce.py --replicas 3 --mib 16 --json tft.json
+
+Each replica group is one process (torchft's replica_id 0..N-1) with a torchft Manager, as a
+torchft job has: a Lighthouse started here computes the quorum, the Manager configures the
+process group (ProcessGroupTorchring or torchft's ProcessGroupGloo) under a fresh store
+prefix, and every step is ``start_quorum()``, ``manager.allreduce(grad).wait()`` (torchft's
+averaging allreduce: a SUM on the process group, then the division), ``should_commit()``.
+Only the allreduce's wait is timed; the quorum and the commit are the same for both groups.
+Each step's tensor is integer-valued (replica r holds r + step + 1), so the average is exact
+and checked on every replica. Both process groups run in the same run, alternately, and the
+table gives the median step time of each and the ratio gloo / torchring.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import queue as queue_module
+import statistics
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import machine_info, parse_args, print_header  # noqa: E402
+
+GROUPS = ("torchring", "gloo")
+
+
+def replica(kind: str, replica_id: int, replicas: int, lighthouse: str, mib: int, steps: int,
+            queue: Any) -> None:
+    """One replica group: a Manager on `kind`'s process group, `steps` timed allreduces."""
+    import torch
+    from torchft import Manager
+    from torchft.process_group import ProcessGroupGloo
+
+    from torchring.elastic.torchft import ProcessGroupTorchring
+
+    manager = None
+    times: list[float] = []
+    wrong = 0
+    try:
+        # The replica group's own store (torchft's MASTER_ADDR/PORT): the Manager's client of it
+        # hands each quorum's process group a fresh prefix.
+        store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        pg = ProcessGroupTorchring() if kind == "torchring" else ProcessGroupGloo()
+        manager = Manager(pg=pg, min_replica_size=replicas, load_state_dict=lambda _: None,
+                          state_dict=lambda: {}, replica_id=str(replica_id), store_addr="127.0.0.1",
+                          store_port=store.port, rank=0, world_size=1, lighthouse_addr=lighthouse,
+                          port=0, timeout=timedelta(seconds=60), use_async_quorum=False)
+        grad = torch.empty(mib * 2**20 // 4, dtype=torch.float32)
+        for step in range(steps + 1):  # step 0 forms the group and warms up: not timed
+            manager.start_quorum()
+            grad.fill_(replica_id + step + 1)
+            start = time.perf_counter()
+            manager.allreduce(grad).wait()
+            elapsed = time.perf_counter() - start
+            expected = sum(r + step + 1 for r in range(replicas)) / replicas
+            wrong += int((grad != expected).sum())
+            if not manager.should_commit():
+                raise RuntimeError(f"replica {replica_id}: step {step} did not commit on {kind}")
+            if step:
+                times.append(elapsed)
+        queue.put((replica_id, times, wrong, ""))
+    except BaseException as e:  # reported to the parent, which fails the run
+        queue.put((replica_id, [], wrong, f"{type(e).__name__}: {e}"))
+    finally:
+        if manager is not None:
+            manager.shutdown(wait=False)
+
+
+def run_once(kind: str, args: argparse.Namespace) -> tuple[float, int]:
+    """(median over steps of the slowest replica's allreduce time, wrong elements) for one group kind."""
+    from torchft._torchft import LighthouseServer  # only when the benchmark runs
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=args.replicas)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=replica, args=(kind, r, args.replicas, lighthouse.address(), args.mib,
+                                               args.steps, queue)) for r in range(args.replicas)]
+    for p in procs:
+        p.start()
+    results = []
+    deadline = time.monotonic() + 600
+    while len(results) < len(procs):
+        try:
+            results.append(queue.get(timeout=1.0))
+        except queue_module.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                raise SystemExit(f"{kind}: a replica exited with {dead} before reporting, or 600 s passed")
+    for p in procs:
+        p.join(timeout=60)
+    lighthouse.shutdown()
+    errors = [f"replica {r}: {err}" for r, _, _, err in results if err]
+    if errors:
+        raise SystemExit(f"{kind}: " + "; ".join(errors))
+    per_step = [max(times[i] for _, times, _, _ in results) for i in range(args.steps)]
+    return statistics.median(per_step), sum(w for _, _, w, _ in results)
+
+
+def main() -> None:
+    """Runs both process groups --repeats times, alternately, and prints medians and the ratio."""
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's Lighthouse and Managers: no per-step lines
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--replicas", type=int, default=2, help="replica groups (one process each)")
+    parser.add_argument("--mib", type=int, default=64, help="allreduce size in MiB (float32)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per run")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each group, alternating")
+    parser.add_argument("--json", help="write the machine, arguments and results here")
+    args = parse_args(parser)
+    info = machine_info()
+    import torchft  # only when the benchmark runs
+
+    print_header(f"torchft allreduce: {args.replicas} replicas, {args.mib} MiB float32", info,
+                 f"torchft {getattr(torchft, '__version__', '?')}")
+    medians: dict[str, list[float]] = {k: [] for k in GROUPS}
+    wrong = 0
+    for _ in range(args.repeats):
+        for kind in GROUPS:
+            seconds, bad = run_once(kind, args)
+            medians[kind].append(seconds)
+            wrong += bad
+    ring, gloo = statistics.median(medians["torchring"]), statistics.median(medians["gloo"])
+    print(f"{'group':<10} {'median ms':>10} {'GB/s':>8}  runs (ms)")
+    for kind, value in (("torchring", ring), ("gloo", gloo)):
+        runs = " ".join(f"{v * 1e3:.1f}" for v in medians[kind])
+        print(f"{kind:<10} {value * 1e3:>10.1f} {args.mib * 2**20 / value / 1e9:>8.2f}  {runs}")
+    print(f"gloo / torchring = {gloo / ring:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": info, "args": vars(args), "medians_s": medians, "ratio": gloo / ring}, f, indent=1)
+    if wrong:
+        raise SystemExit(f"{wrong} wrong elements")
+
+
+if __name__ == "__main__":
+    main()
