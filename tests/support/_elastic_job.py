@@ -70,7 +70,7 @@ def train(launch_rank: int, victim: int, at_step: int, how: str = "kill", out_di
         indices = list(iter(state.sampler))
         for b in range(0, len(indices), BATCH):
             if how == "hold" and state.step == at_step and elastic.epoch() == 0:
-                _hold(state)
+                _hold(state, out_dir)
             if torchring.rank() == victim and state.step == at_step and elastic.epoch() == 0:
                 _stop(how, out_dir)
             chunk = indices[b:b + BATCH]
@@ -95,9 +95,11 @@ def train(launch_rank: int, victim: int, at_step: int, how: str = "kill", out_di
     return result
 
 
-def train_hvd(launch_rank: int, victim: int, at_step: int) -> dict[str, Any]:
+def train_hvd(launch_rank: int, victim: int, at_step: int, refill: int = 0) -> dict[str, Any]:
     """The same job through torchring.horovod: hvd.init, hvd.elastic.TorchState and run, a
-    summed hvd.allreduce; the victim SIGKILLs itself at step `at_step`."""
+    summed hvd.allreduce; the victim SIGKILLs itself at step `at_step`. With `refill` N, the
+    survivors commit again and again once re-formed until newcomers bring the world back to N
+    (commit raises HostsUpdatedInterrupt when one waits)."""
     import torchring.horovod as hvd
     from torchring.elastic import world
 
@@ -114,6 +116,9 @@ def train_hvd(launch_rank: int, victim: int, at_step: int) -> dict[str, Any]:
         for b in range(0, len(indices), BATCH):
             if hvd.rank() == victim and state.step == at_step and world.epoch() == 0:
                 os.kill(os.getpid(), signal.SIGKILL)
+            while refill and world.epoch() > 0 and hvd.size() < refill:
+                state.commit()
+                time.sleep(0.05)
             chunk = indices[b:b + BATCH]
             optimizer.zero_grad()
             model(sum(x(i) for i in chunk)).backward()
@@ -131,14 +136,17 @@ def train_hvd(launch_rank: int, victim: int, at_step: int) -> dict[str, Any]:
     return result
 
 
-def _hold(state: Any) -> None:
+def _hold(state: Any, out_dir: str) -> None:
     """Commit until the newcomer is let in (commit raises WorldChanged on every rank at once);
-    rank 0 says in the store that the world is holding, for the newcomer to start then."""
+    rank 0 says in the store (and, given `out_dir`, in its file "holding") that the world is
+    holding, for the newcomer to start then."""
     import torchring
     from torchring._core import context
 
     if torchring.rank() == 0:
         context.wiring()[0].set("test/holding", "1")
+        if out_dir:
+            open(os.path.join(out_dir, "holding"), "w").close()
     while True:
         state.commit()
         time.sleep(0.05)

@@ -113,6 +113,20 @@ def job(settings: Settings, launch: _env.Launch) -> str:
     return settings.job_id or launch.job_id
 
 
+def elastic_running_key(job_id: str, restart: int) -> str:
+    """The store key torchring.elastic sets once job `job_id` (at launcher restart `restart`) has
+    formed its first world: a process started later joins it as a newcomer (torchring-run's
+    elastic mode waits for it before starting one)."""
+    return f"torchring/{job_id}/{restart}/elastic/running"
+
+
+def elastic_ended_key(job_id: str, restart: int) -> str:
+    """The store key torchring-run's elastic mode sets once a worker of job `job_id` finished its
+    script: a process still waiting to be let in then ends instead of waiting for members that
+    are gone."""
+    return f"torchring/{job_id}/{restart}/elastic/ended"
+
+
 def launch_info() -> _env.Launch:
     """The launcher's view of this process, as init() used it (after a re-forming: the epoch's ranks)."""
     return _require("launch_info").launch

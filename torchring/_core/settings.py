@@ -55,6 +55,7 @@ class Settings:
     debug_build: bool = False        # TORCHRING_DEBUG_BUILD: -O0 -g with ASan and UBSan
     ssh: str | None = None           # TORCHRING_SSH: None = `ssh` (torchring-run -H's client command)
     elastic_dir: str | None = None   # TORCHRING_ELASTIC_DIR: None = one per run under the temp dir
+    min_np: int = 1                  # TORCHRING_MIN_NP: a re-formed world needs this many ranks
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Settings:
@@ -234,6 +235,7 @@ _VARIABLES = (
     _Variable("TORCHRING_SSH", "ssh", text, "ssh"),
     _Variable("TORCHRING_ELASTIC_DIR", "elastic_dir", text,
               "(a directory per run under the temporary directory)"),
+    _Variable("TORCHRING_MIN_NP", "min_np", _integer(1, 1 << 20, "number of ranks"), "1"),
 )
 # What cache_dir() reads.
 _PATH_VARIABLES = ("TORCHRING_CACHE_DIR", "XDG_CACHE_HOME", "HOME")

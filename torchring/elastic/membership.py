@@ -12,9 +12,9 @@ order, its own new rank, the new world size.
                       decide wins, every joiner reads the same n
     and             torchring/{job}/elastic/current   the newest closed epoch, for newcomers
 
-The epoch closes as soon as `expected` joiners arrived (the old world less the members known
-dead: world.py counts the dead processes on its own host, and adds the joiners known to wait), or
-once no new joiner arrived for `settle` seconds while at least `min_size` are there (a lost host's
+The epoch closes, once at least `min_size` joiners are there, as soon as `expected` arrived (the
+old world less the members known dead: world.py counts the dead processes on its own host, and
+adds the joiners known to wait), or once no new joiner arrived for `settle` seconds (a lost host's
 ranks never arrive; a silent one's survivors each notice on their own clock, so world.py waits one
 timeout more for them). Members already in a world let waiting processes in at a commit:
 pending() counts the joiners of the next epoch, and the members join it too, expecting them.
@@ -63,6 +63,10 @@ class NotAMemberError(RuntimeError):
     """This process arrived after the epoch had closed without it."""
 
 
+class JobEndedError(RuntimeError):
+    """The job finished while this process waited to be let in."""
+
+
 def _prefix(job: str, epoch: int) -> str:
     return f"torchring/{job}/elastic/{epoch}/"
 
@@ -84,12 +88,13 @@ def pending(store: Any, job: str, epoch: int) -> int:
 
 
 def join(store: Any, job: str, epoch: int, me: Member, expected: int, min_size: int, settle: float,
-         timeout: float, poll: float = 0.01, may_close: bool = True) -> Epoch:
+         timeout: float, poll: float = 0.01, may_close: bool = True, ended_key: str | None = None) -> Epoch:
     """Joins `epoch` of `job` and returns it once closed (see the module docstring); raises
     NotAMemberError if it closed before this process arrived, TimeoutError if fewer than
     `min_size` joined within `timeout` seconds (with enough, the settle time decides). A joiner
     with `may_close` False only waits: it is let in when the members come (a process waiting
-    for a running world cannot tell how many will)."""
+    for a running world cannot tell how many will); it raises JobEndedError once `ended_key` is
+    set in the store (the launcher's word that a member finished the job)."""
     keys = _prefix(job, epoch)
     arrival = int(store.add(keys + "arrivals", 1))
     store.set(keys + f"member/{arrival}", json.dumps(dataclasses.asdict(me)))
@@ -98,6 +103,9 @@ def join(store: Any, job: str, epoch: int, me: Member, expected: int, min_size: 
     while True:
         closed = _closed(store, keys)
         if closed is None and not may_close:
+            if ended_key is not None and store.check([ended_key]):
+                raise JobEndedError(f"{me.uid}: job {job!r} finished while this process waited to join epoch "
+                                    f"{epoch}; there is nothing left for it to do")
             if time.monotonic() - start > timeout:
                 raise TimeoutError(f"{me.uid}: the members of job {job!r} did not come to let it into epoch "
                                    f"{epoch} within {timeout:.0f} s (they do at their next commit)")
@@ -108,7 +116,7 @@ def join(store: Any, job: str, epoch: int, me: Member, expected: int, min_size: 
             now = time.monotonic()
             if count != seen:
                 seen, last_change = count, now
-            if count >= expected or (count >= min_size and now - last_change >= settle):
+            if count >= min_size and (count >= expected or now - last_change >= settle):
                 closed = _close(store, keys, count)
             elif count < min_size and now - start > timeout:
                 raise TimeoutError(

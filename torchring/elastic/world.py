@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .._core import context as _context, env as _env, rendezvous as _rendezvous
+from .._core import context as _context, env as _env, log as _log, rendezvous as _rendezvous
 from ..collectives import basic as _basic
 from . import membership
 from .membership import Epoch, Member, NotAMemberError
@@ -53,8 +53,8 @@ def epoch() -> int:
     return _epoch
 
 
-def _running_key(job: str) -> str:
-    return f"torchring/{job}/elastic/running"
+def _running_key(launch: _env.Launch) -> str:
+    return _context.elastic_running_key(_context.job(_context.settings(), launch), launch.restart)
 
 
 def _job(launch: _env.Launch) -> str:
@@ -81,29 +81,36 @@ def init(timeout: float | None = None, join_timeout: float = JOIN_TIMEOUT_S) -> 
         return Epoch(0, (), 0)
     store = _store = _rendezvous.store(launch, wait)
     job = _job(launch)
-    if not store.check([_running_key(job)]):
+    if not store.check([_running_key(launch)]):
         _context.init(timeout)
         if _context.rank() == 0:
-            store.set(_running_key(job), "1")
+            store.set(_running_key(launch), "1")
         return Epoch(0, (), _context.rank())
     me = _me(settings, -1)
-    joined = membership.join(store, job, membership.current(store, job) + 1, me, expected=0, min_size=1,
-                             settle=DEFAULT_SETTLE_S, timeout=join_timeout, may_close=False)
+    ended = _context.elastic_ended_key(_context.job(settings, launch), launch.restart)
+    try:
+        joined = membership.join(store, job, membership.current(store, job) + 1, me, expected=0, min_size=1,
+                                 settle=DEFAULT_SETTLE_S, timeout=join_timeout, may_close=False, ended_key=ended)
+    except membership.JobEndedError as e:
+        _log.logger.warning("torchring: %s", e)
+        raise SystemExit(0) from None  # a worker started too late for a finished job ends quietly
     _epoch = joined.number
     _context.init(timeout, membership=(joined.rank, joined.size, joined.number))
     return joined
 
 
-def reform(min_size: int = 1, settle: float = DEFAULT_SETTLE_S, timeout: float | None = None,
+def reform(min_size: int | None = None, settle: float = DEFAULT_SETTLE_S, timeout: float | None = None,
            joiners: int = 0) -> Epoch:
     """Leaves the current world and forms the next epoch's with every process that calls this
     too (the survivors of a failure) and the `joiners` known to wait; returns the epoch, whose
     rank and size torchring.rank() and torchring.size() report from now on. A process that
     arrives after the epoch closed waits to be let into the next one (at the members' next
-    commit). Raises TimeoutError below `min_size` members."""
+    commit). Raises TimeoutError below `min_size` members (default TORCHRING_MIN_NP, which
+    torchring-run --min-np sets)."""
     global _epoch, _store
     old_rank, old_world = _context.rank(), _context.size()
     settings = _context.settings()
+    min_size = settings.min_np if min_size is None else min_size
     launch = _env.detect()
     wait = settings.timeout if timeout is None else float(timeout)
     gone = dead_neighbours(*_context.wiring(), old_rank, old_world)
@@ -172,7 +179,7 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def reform_process_group(backend: str = "torchring", min_size: int = 1, settle: float = DEFAULT_SETTLE_S,
+def reform_process_group(backend: str = "torchring", min_size: int | None = None, settle: float = DEFAULT_SETTLE_S,
                          timeout: float | None = None) -> Epoch:
     """reform() for a job on torch.distributed alone (DDP, FSDP on init_process_group): destroys
     the default process group, agrees on the next epoch with the processes that call this too,
@@ -183,6 +190,7 @@ def reform_process_group(backend: str = "torchring", min_size: int = 1, settle: 
 
     old_rank, old_world = dist.get_rank(), dist.get_world_size()
     settings = _context.settings()
+    min_size = settings.min_np if min_size is None else min_size
     launch = _env.detect()
     wait = settings.timeout if timeout is None else float(timeout)
     dist.destroy_process_group()

@@ -6,7 +6,10 @@ variables; a single process without any), sets up the global process set and tho
 timeline on rank 0; ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` becomes the engine's timeout unless
 ``TORCHRING_TIMEOUT`` is set) and registers ``shutdown`` to run at exit. ``shutdown()`` stops every
 process set's negotiation thread, drops their groups and leaves the job; ``init()`` works again
-afterwards (a new torchring session).
+afterwards (a new torchring session). Under an elastic launch (``HOROVOD_ELASTIC=1``, which
+torchring-run --min-np/--max-np sets, as horovodrun's elastic mode does) it joins through
+``torchring.elastic.init()`` instead, so a worker started while the job runs (a replacement, a
+host added) joins it as a newcomer at the members' next commit.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import os
 from typing import Any
 
 from .._core import context as _context
+from ..elastic import world as _elastic_world
 from . import basics, handles, knobs, process_sets, timeline
 
 __all__ = ["init", "shutdown", "start_timeline", "stop_timeline"]
@@ -41,7 +45,10 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     timeout = None
     if k.stall_check and k.stall_shutdown_s > 0 and not os.environ.get("TORCHRING_TIMEOUT"):
         timeout = k.stall_shutdown_s
-    _context.init(timeout=timeout)
+    if os.environ.get("HOROVOD_ELASTIC") == "1":
+        _elastic_world.init(timeout)
+    else:
+        _context.init(timeout=timeout)
     if ranks is not None and ranks != list(range(_context.size())):
         me, world = _context.rank(), _context.size()
         _context.shutdown()

@@ -12,7 +12,9 @@ output line carries its rank (or only rank 0 prints, with --rank0-only), --check
 what the engine was built with, and the exit code is the first failing rank's. When a rank
 fails or is killed, torch's agent stops all the others; with --max-restarts K the whole job
 restarts (torchring re-initializes under a new restart count) up to K times. Ctrl-C stops
-everything. -H host0:2,host1:2 (or --hostfile) starts the ranks of other hosts over ssh.
+everything. With --min-np/--max-np (or --host-discovery-script) the job is elastic instead: this
+launcher supervises the workers itself, a lost one leaves the others running, and they re-form
+in process (launch/elastic.py). -H host0:2,host1:2 (or --hostfile) starts the ranks of other hosts over ssh.
 
 horovodrun's common flags are accepted, so `horovodrun -np 4 python train.py` becomes
 `torchring-run -np 4 python train.py`: -H/--hosts and --hostfile (in rank order, other
@@ -40,7 +42,8 @@ from typing import Any
 import torch.distributed.run as torchrun
 
 from .._core import build as _build
-from . import failures as _failures, ssh as _ssh_launch, output as _output, threads as _threads
+from . import elastic as _elastic_launch, failures as _failures, ssh as _ssh_launch, output as _output, \
+    threads as _threads
 from .. import build
 from .._core.settings import DEFAULT_TIMEOUT_S, Settings
 
@@ -98,6 +101,18 @@ def _parser() -> argparse.ArgumentParser:
                    help="HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")
     h.add_argument("--log-level", type=str.lower, default=None,
                    choices=("trace", "debug", "info", "warning", "error", "fatal"), help="HOROVOD_LOG_LEVEL")
+    e = p.add_argument_group("elastic (horovodrun's flags; the script recovers with torchring.elastic or "
+                             "hvd.elastic; torchring/launch/elastic.py)")
+    e.add_argument("--min-np", type=_at_least(1, int), default=None,
+                   help="fewer workers than this for --elastic-timeout seconds fail the job (default: 1)")
+    e.add_argument("--max-np", type=_at_least(1, int), default=None,
+                   help="never more workers than this (default: -np, or the slots)")
+    e.add_argument("--host-discovery-script", default=None,
+                   help="prints this host's slots ('localhost:4'), polled every --discovery-interval s")
+    e.add_argument("--discovery-interval", type=_at_least(0.1), default=1.0,
+                   help="seconds between runs of the discovery script (default 1)")
+    e.add_argument("--elastic-timeout", type=_at_least(0), default=600.0,
+                   help="seconds the job may stay below --min-np workers before it fails (default 600)")
     h.add_argument("--gloo", dest="controller", action="store_const", const="gloo",
                    help="accepted and ignored: torchring's engine carries the collectives")
     h.add_argument("--mpi", dest="controller", action="store_const", const="mpi",
@@ -245,7 +260,7 @@ def _resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             (_read_hostfile(args.hostfile) if args.hostfile else [])
         args.remote_hosts = hosts if any(not _is_this_host(h) for h, _ in hosts) else []
         slots = (sum(s for _, s in hosts) if args.remote_hosts else local_slots(hosts)) if hosts else None
-        if args.remote_hosts and args.max_restarts:
+        if args.remote_hosts and args.max_restarts and not _elastic(args):
             raise ValueError("--max-restarts works on one host: a job across -H hosts is not restarted")
         if args.start_timeout is not None:
             Settings.from_env({"TORCHRING_TIMEOUT": _number(args.start_timeout)})
@@ -253,9 +268,9 @@ def _resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(str(error))
     if args.num_proc is None:
         args.num_proc = slots
-    if not args.script or not args.num_proc:
+    if not args.script or not (args.num_proc or _elastic(args)):
         parser.error("give -np N (or -H localhost:N) and a script, e.g. torchring-run -np 2 python train.py")
-    if args.num_proc < 1:
+    if args.num_proc is not None and args.num_proc < 1:
         parser.error(f"-np must be at least 1, got {args.num_proc}")
     if slots is not None and args.num_proc > slots:
         parser.error(f"-np {args.num_proc} is more than the {slots} slots of -H/--hostfile; "
@@ -269,6 +284,37 @@ def _resolve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         print(f"torchring-run: --network-interfaces {','.join(args.nics)} has no effect: ranks on one "
               "host talk over shared memory or loopback (across hosts, TORCHRING_ADDR chooses the "
               "address)", file=sys.stderr)
+
+
+def _elastic(args: argparse.Namespace) -> bool:
+    return args.min_np is not None or args.max_np is not None or args.host_discovery_script is not None
+
+
+def _resolve_elastic(parser: argparse.ArgumentParser, args: argparse.Namespace) -> _elastic_launch.ElasticPlan:
+    """The elastic job `args` ask for: -np, --min-np, --max-np and the slots made consistent."""
+    if args.remote_hosts:
+        parser.error("--min-np/--max-np/--host-discovery-script start workers on this host only: "
+                     "drop the other hosts of -H/--hostfile")
+    fixed = args.num_proc if args.host_discovery_script is None else None
+    max_np = args.max_np or args.num_proc or args.min_np
+    if args.host_discovery_script is None and not args.num_proc:
+        parser.error("give -np N (or -H localhost:N) or --host-discovery-script for an elastic job")
+    if max_np is None:
+        parser.error("give -np N or --max-np M with --host-discovery-script: how many workers to start")
+    initial = args.num_proc or max_np
+    min_np = args.min_np or 1
+    if not min_np <= initial <= max_np:
+        parser.error(f"elastic: need --min-np ({min_np}) <= -np ({initial}) <= --max-np ({max_np})")
+    tail = _command(args.script, list(args.script_args))
+    if tail[0] == "--no-python":
+        argv = tail[1:]
+    elif tail[0] == "--module":
+        argv = [sys.executable, "-u", "-m", *tail[1:]]
+    else:
+        argv = [sys.executable, "-u", *tail]
+    return _elastic_launch.ElasticPlan(argv, min_np, max_np, initial, replacements=args.max_restarts,
+                                       discovery=args.host_discovery_script, fixed_slots=fixed,
+                                       interval=args.discovery_interval, elastic_timeout=args.elastic_timeout)
 
 
 def _be_verbose(env: dict[str, str], command: list[str]) -> None:
@@ -292,6 +338,14 @@ def main(argv: list[str] | None = None) -> int:
     _resolve(parser, args)
     env = rank_env(args)
     os.environ.update(env)  # torch's agent starts the ranks with this process's environment
+    if _elastic(args):  # workers supervised here: a failed one does not stop the others
+        plan = _resolve_elastic(parser, args)
+        plan.env.update(env)
+        threads = _threads.set_rank_threads(os.environ, plan.max_np)
+        if threads:
+            print(threads, file=sys.stderr)
+        _build.load()
+        return _elastic_launch.run(plan, _is_this_host)
     if args.remote_hosts:  # other hosts: one torch agent per host, over ssh
         _build.load()
         return _ssh_launch.launch_args(args, _is_this_host, _command(args.script, list(args.script_args)))

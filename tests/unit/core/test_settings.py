@@ -127,6 +127,7 @@ def test_empty_and_blank_values_count_as_unset() -> None:
     ("TORCHRING_JOB_ID", "exp-7", "job_id", "exp-7"),
     ("TORCHRING_SSH", "ssh -o StrictHostKeyChecking=no", "ssh", "ssh -o StrictHostKeyChecking=no"),
     ("TORCHRING_ELASTIC_DIR", " /tmp/commits ", "elastic_dir", "/tmp/commits"),
+    ("TORCHRING_MIN_NP", "3", "min_np", 3),
 ])
 def test_good_values(name: str, raw: str, field: str, want: object) -> None:
     got = Settings.from_env({name: raw})

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from torchring.elastic.membership import Epoch, Member, NotAMemberError, current, join
+from torchring.elastic.membership import Epoch, JobEndedError, Member, NotAMemberError, current, join
 
 
 @pytest.fixture()
@@ -89,3 +89,22 @@ def test_too_few_members_time_out_naming_the_shortfall(store: Any) -> None:
     got = _join_all(store, job, [_member(0)], expected=4, min_size=2, settle=0.1, timeout=1.0)
     assert isinstance(got["host:0"], TimeoutError), got["host:0"]
     assert "has 1 of the 2 members it needs" in str(got["host:0"])
+
+
+def test_the_expected_count_does_not_close_below_the_minimum(store: Any) -> None:
+    # Two survivors expected (a third died), but the job needs three: they wait, and a newcomer
+    # arriving in time completes the epoch.
+    job = uuid.uuid4().hex
+    got = _join_all(store, job, [_member(0), _member(1), Member("new:a", -1, "new")], expected=2, min_size=3,
+                    settle=0.1, timeout=10.0, delays={"new:a": 0.5})
+    assert [m.uid for m in got["host:0"].members] == ["host:0", "host:1", "new:a"]
+
+
+def test_a_waiting_newcomer_ends_when_the_launcher_says_the_job_ended(store: Any) -> None:
+    job = uuid.uuid4().hex
+    threading.Timer(0.3, lambda: store.set(f"{job}-ended", "1")).start()
+    start = time.monotonic()
+    with pytest.raises(JobEndedError, match="finished while this process waited to join epoch 1"):
+        join(store, job, 1, Member("new:a", -1, "new"), 0, 1, 0.1, 30.0, may_close=False,
+             ended_key=f"{job}-ended")
+    assert time.monotonic() - start < 5

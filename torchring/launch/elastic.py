@@ -1,0 +1,291 @@
+"""torchring-run's elastic mode: --min-np/--max-np, with workers supervised here, not by torch's agent.
+
+    torchring-run --min-np 2 --max-np 4 train.py                       # as many as -H/-np allow
+    torchring-run -np 3 --min-np 2 --max-np 4 --host-discovery-script ./hosts.sh train.py
+
+The script recovers in process (torchring.elastic.run or hvd.elastic.run) and joins with
+torchring.elastic.init() or hvd.init() (HOROVOD_ELASTIC=1 makes hvd.init() join as a newcomer
+when the job already runs). torch's elastic agent
+cannot carry such a job: when one worker fails, its agent stops every worker of its host and
+restarts the whole group (torch.distributed.elastic.agent.server.SimpleElasticAgent
+_invoke_run: any FAILED worker group is restarted as a unit), so survivors never get to
+re-form. Here the launcher supervises the workers itself:
+
+- The store: a TCPStore served by this process (MASTER_ADDR/MASTER_PORT of every worker,
+  TORCHELASTIC_USE_AGENT_STORE=True), outside the workers, so a worker's death never takes
+  the rendezvous with it.
+- A worker that exits with an error, or is killed, is reported and left alone: the others go
+  on (torchring.elastic re-forms their world). With --max-restarts K, up to K failed workers are
+  replaced by new processes, which join as newcomers at the members' next commit.
+- Slots: the host discovery script (horovodrun's --host-discovery-script: prints "host:slots"
+  or "host slots=N" lines), polled every --discovery-interval seconds, else -H/--hostfile, else
+  -np. The first -np workers start together; then the job keeps min(--max-np, slots) workers,
+  less the slots of failed workers not replaced (until the script reports a change): more
+  slots start newcomers; fewer stop the newest workers (SIGTERM), which the others see as lost
+  ranks.
+- Fewer than --min-np workers alive, for --elastic-timeout seconds: every worker is stopped and
+  the job fails, saying so.
+- The job ends when its workers have exited: 0 if one of them finished its script (exit 0) after
+  the last failure, else the first failure's code. Once one finished, nothing new starts, and a
+  newcomer still waiting to be let in ends (exit 0) instead of waiting for members that are gone.
+
+Workers start on this host; a discovery script that names another host is an error here
+(torchring-run -H starts other hosts' ranks over ssh without elasticity). Output lines carry
+the worker's start index "[w3]: ", which unlike ranks does not change when the world re-forms.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable
+
+from .._core import context as _context
+from .output import prefix_chunk
+
+__all__ = ["ElasticPlan", "parse_slots", "run"]
+
+
+@dataclass
+class ElasticPlan:
+    """What torchring-run's elastic mode was asked for."""
+
+    command: list[str]                       # argv of one worker
+    min_np: int
+    max_np: int
+    initial_np: int
+    replacements: int = 0                    # --max-restarts: failed workers that may be replaced
+    discovery: str | None = None             # the host discovery script
+    fixed_slots: int | None = None           # -H/--hostfile's slots, without a script
+    interval: float = 1.0                    # --discovery-interval
+    elastic_timeout: float = 600.0           # --elastic-timeout
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def parse_slots(text: str, is_this_host: Callable[[str], bool]) -> int:
+    """The slots a discovery script's output gives this host ("host:slots", "host slots=N" or
+    "host" per line; # comments); ValueError naming a line it cannot read or another host."""
+    total = 0
+    for number, line in enumerate(text.splitlines(), 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        host, slots = words[0], "1"
+        if len(words) == 2 and words[1].startswith("slots="):
+            slots = words[1].removeprefix("slots=")
+        elif len(words) == 1 and words[0].count(":") == 1:
+            host, slots = words[0].split(":")
+        elif len(words) != 1:
+            raise ValueError(f"line {number}: {line.strip()!r} is not 'host:slots' or 'host slots=N'")
+        if not slots.isdigit():
+            raise ValueError(f"line {number}: {line.strip()!r}: slots must be a whole number")
+        if not is_this_host(host):
+            raise ValueError(f"line {number}: host {host!r} is not this host; torchring-run's elastic mode "
+                             "starts workers on this host only")
+        total += int(slots)
+    return total
+
+
+@dataclass
+class _Worker:
+    index: int
+    proc: subprocess.Popen
+    reader: threading.Thread
+
+
+class _Driver:
+    """The supervision loop of one elastic job (see the module docstring)."""
+
+    def __init__(self, plan: ElasticPlan, is_this_host: Callable[[str], bool]) -> None:
+        import torch.distributed as dist  # the store's class; the launcher imports torch anyway
+
+        self.plan, self.is_this_host = plan, is_this_host
+        self.store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=60),
+                                   wait_for_workers=False)
+        self.job = plan.env.get("TORCHRING_JOB_ID") or f"elastic-{uuid.uuid4().hex[:12]}"
+        self.workers: list[_Worker] = []
+        self.started = 0
+        self.replacements = plan.replacements
+        self.launched = plan.initial_np  # the world size the first workers start with
+        self.lost = 0  # slots of failed workers not replaced, until the discovery script reports anew
+        self.slots = plan.fixed_slots if plan.fixed_slots is not None else plan.initial_np
+        self.first_failure: int | None = None
+        self.finished = False  # a worker finished its script after the last failure: the job ends
+        self.stopping: set[int] = set()  # workers stopped here (fewer slots), not failed
+        self.short_since: float | None = None
+        self.out_lock = threading.Lock()
+
+    # -- workers -------------------------------------------------------------------------
+    def _start(self, newcomer: bool) -> None:
+        index = self.started
+        self.started += 1
+        env = {**os.environ, **self.plan.env, "TORCHRING_JOB_ID": self.job, "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(self.store.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+               "TORCHELASTIC_RESTART_COUNT": "0", "LOCAL_RANK": str(index), "RANK": str(index),
+               "TORCHRING_MIN_NP": str(self.plan.min_np), "HOROVOD_ELASTIC": "1",
+               # A newcomer's size is a placeholder: elastic.init() finds the job running and
+               # takes the rank and size the members give it.
+               "WORLD_SIZE": str(index + 1 if newcomer else self.launched),
+               "LOCAL_WORLD_SIZE": str(index + 1 if newcomer else self.launched)}
+        proc = subprocess.Popen(self.plan.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        reader = threading.Thread(target=self._copy, args=(proc, f"[w{index}]: ".encode()), daemon=True)
+        reader.start()
+        self.workers.append(_Worker(index, proc, reader))
+        if newcomer:
+            self._say(f"started worker w{index} (pid {proc.pid}); it joins at the members' next commit")
+
+    def _copy(self, proc: subprocess.Popen, prefix: bytes) -> None:
+        at_start = True
+        out = sys.stdout.buffer
+        for chunk in iter(lambda: proc.stdout.read1(65536), b""):
+            text, at_start = prefix_chunk(chunk, prefix, at_start)
+            with self.out_lock:
+                out.write(text)
+                out.flush()
+
+    def _say(self, message: str) -> None:
+        with self.out_lock:
+            print(f"torchring-run: {message}", file=sys.stderr, flush=True)
+
+    def _stop(self, worker: _Worker, why: str) -> None:
+        self._say(f"stopping worker w{worker.index} (pid {worker.proc.pid}): {why}")
+        self.stopping.add(worker.index)
+        worker.proc.terminate()
+
+    def _reap(self) -> None:
+        for worker in list(self.workers):
+            code = worker.proc.poll()
+            if code is None:
+                continue
+            worker.reader.join(timeout=5)
+            self.workers.remove(worker)
+            if worker.index in self.stopping:
+                continue
+            if code == 0:
+                self.finished = True
+                # Processes still waiting to be let in end now instead of waiting for members
+                # that are gone (torchring.elastic.init reads this key).
+                self.store.set(_context.elastic_ended_key(self.job, 0), "1")
+                continue
+            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
+            if self.first_failure is None:
+                self.first_failure = code if code > 0 else 128 - code
+            self.finished = False
+            self._say(f"worker w{worker.index} (pid {worker.proc.pid}) exited with {how}; the other "
+                      f"{len(self.workers)} go on (torchring.elastic re-forms their world)")
+            if self.replacements > 0:
+                self.replacements -= 1  # _balance() starts the newcomer in its slot
+            else:
+                self.lost += 1
+
+    # -- slots ---------------------------------------------------------------------------
+    def _discover(self) -> None:
+        if not self.plan.discovery:
+            return
+        try:
+            done = subprocess.run(self.plan.discovery, shell=True, capture_output=True, text=True,
+                                  timeout=max(10.0, self.plan.interval))
+            if done.returncode != 0:
+                raise ValueError(f"exited with code {done.returncode}: {done.stderr.strip()[:200]}")
+            slots = parse_slots(done.stdout, self.is_this_host)
+        except (ValueError, subprocess.TimeoutExpired) as error:
+            self._say(f"host discovery script {self.plan.discovery!r}: {error}; keeping {self.slots} slots")
+            return
+        if slots != self.slots:
+            self._say(f"host discovery: {self.slots} -> {slots} slots on this host")
+            self.slots = slots
+            self.lost = 0
+
+    def _balance(self) -> None:
+        # Every slot the hosts offer, up to --max-np, less those whose worker failed (a failure
+        # does not start a new process in a loop unless --max-restarts allows it).
+        want = max(0, min(self.slots, self.plan.max_np) - self.lost)
+        while len(self.workers) > want:
+            newest = self.workers[-1]
+            self._stop(newest, f"{want} slot(s) left for the job")
+            try:
+                newest.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                newest.proc.kill()
+                newest.proc.wait()
+            self._reap()
+        # Newcomers only once the launched workers have formed the job: one started before
+        # would take its placeholder rank and size for the launch's.
+        running = self.store.check([_context.elastic_running_key(self.job, 0)])
+        while len(self.workers) < want and not self.finished and running:
+            self._start(newcomer=True)
+
+    # -- the loop ------------------------------------------------------------------------
+    def run(self) -> int:
+        self._discover()
+        deadline = time.monotonic() + self.plan.elastic_timeout
+        while min(self.slots, self.plan.max_np) < self.plan.min_np:
+            if time.monotonic() > deadline:
+                self._say(f"the job needs --min-np {self.plan.min_np} workers, and the hosts give {self.slots} "
+                          f"slot(s) after {self.plan.elastic_timeout:g} s (--elastic-timeout)")
+                return 1
+            time.sleep(self.plan.interval)
+            self._discover()
+        self.launched = min(self.plan.initial_np, self.slots, self.plan.max_np)
+        for _ in range(self.launched):
+            self._start(newcomer=False)
+        next_discovery = time.monotonic() + self.plan.interval
+        while self.workers:
+            time.sleep(0.1)
+            self._reap()
+            if time.monotonic() >= next_discovery:
+                self._discover()
+                next_discovery = time.monotonic() + self.plan.interval
+            if self.finished:
+                continue
+            self._balance()
+            if len(self.workers) < self.plan.min_np:
+                self.short_since = self.short_since or time.monotonic()
+                if time.monotonic() - self.short_since > self.plan.elastic_timeout:
+                    for worker in self.workers:
+                        self._stop(worker, "too few workers")
+                    self._say(f"the job failed: {len(self.workers)} worker(s) alive, fewer than --min-np "
+                              f"{self.plan.min_np}, for {self.plan.elastic_timeout:g} s (--elastic-timeout); "
+                              "add hosts through the discovery script, or lower --min-np")
+                    for worker in self.workers:
+                        worker.proc.wait()
+                    return self.first_failure or 1
+            else:
+                self.short_since = None
+        if self.finished:
+            return 0
+        self._say("the job failed: every worker exited, none finished its script")
+        return self.first_failure or 1
+
+    def stop_all(self, signum: int) -> None:
+        for worker in self.workers:
+            worker.proc.send_signal(signum)
+        for worker in self.workers:
+            try:
+                worker.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                worker.proc.kill()
+
+
+def run(plan: ElasticPlan, is_this_host: Callable[[str], bool]) -> int:
+    """Runs the elastic job `plan` to its end; the exit code (see the module docstring)."""
+    driver = _Driver(plan, is_this_host)
+
+    def on_signal(signum: int, frame: Any) -> None:
+        driver._say(f"stopped by signal {signal.Signals(signum).name}; stopping every worker")
+        driver.stop_all(signum)
+        raise SystemExit(128 + signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return driver.run()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
