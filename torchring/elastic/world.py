@@ -71,7 +71,8 @@ def _me(settings: Any, old_rank: int) -> Member:
 def init(timeout: float | None = None, join_timeout: float = JOIN_TIMEOUT_S) -> Epoch:
     """Joins the job: as launched when it is starting (torchring.init()), or, when its world
     already runs (a replacement, a host added), as a newcomer that the members let in at
-    their next State.commit(). Returns the epoch joined."""
+    their next State.commit(); a newcomer ends (SystemExit(0)) if the launcher says the job
+    finished while it waited. Returns the epoch joined."""
     global _epoch, _store
     launch = _env.detect()
     settings = _context.settings()
