@@ -10,9 +10,12 @@ prefix, and every step is ``start_quorum()``, ``manager.allreduce(grad).wait()``
 averaging allreduce: a SUM on the process group, then the division), ``should_commit()``.
 Only the allreduce's wait is timed; the quorum and the commit are the same for both groups.
 A second level times the process group's own allreduce (a SUM, configured once on a store
-served here), without the Manager and its division. Each step's tensor is integer-valued
+served here), without the Manager and its division, each step after a barrier so that the
+replicas start it together (at the Manager level a replica's time includes waiting for a
+slower one to arrive, as in training). Each step's tensor is integer-valued
 (replica r holds r + step + 1), so the sum and the average are exact and checked on every
-replica. Both process groups run in the same run, alternately, and the table gives the
+replica. Each replica process runs with OMP_NUM_THREADS=1 (unless set), as torchrun gives its
+ranks. Both process groups run in the same run, alternately, and the table gives the
 median step time of each and the ratio gloo / torchring per level.
 """
 
@@ -40,7 +43,7 @@ def replica(kind: str, level: str, replica_id: int, replicas: int, where: str, m
     """One replica group: `steps` timed allreduces on `kind`'s process group, through a Manager
     (`where`: the Lighthouse) or, at level "pg", on the group alone (`where`: host:port/prefix)."""
     import torch
-    from torch._C._distributed_c10d import AllreduceOptions
+    from torch._C._distributed_c10d import AllreduceOptions, BarrierOptions
     from torchft import Manager
     from torchft.process_group import ProcessGroupGloo
 
@@ -56,6 +59,7 @@ def replica(kind: str, level: str, replica_id: int, replicas: int, where: str, m
             grad = torch.empty(mib * 2**20 // 4, dtype=torch.float32)
             for step in range(steps + 1):  # step 0 warms up: not timed
                 grad.fill_(replica_id + step + 1)
+                pg.barrier(BarrierOptions()).wait()  # both start together: no fill skew in the time
                 start = time.perf_counter()
                 pg.allreduce([grad], AllreduceOptions()).wait()  # SUM
                 elapsed = time.perf_counter() - start
@@ -142,6 +146,9 @@ def run_once(kind: str, level: str, args: argparse.Namespace) -> tuple[float, in
 def main() -> None:
     """Runs both process groups --repeats times, alternately, and prints medians and the ratio."""
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's Lighthouse and Managers: no per-step lines
+    # One compute thread per replica process, as torchrun and torchring-run give each rank when
+    # several share a host: idle OpenMP threads spinning after fill_ would take the cores.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replicas", type=int, default=2, help="replica groups (one process each)")
     parser.add_argument("--mib", type=int, default=64, help="allreduce size in MiB (float32)")
