@@ -82,10 +82,11 @@ def run_file(directory: Path, name: str, select: str, out: Path, timeout: float)
 
 
 def stable_name(name: str) -> str:
-    """A parameterized test's name without its case index ("test_collective_5_allreduce" ->
-    "test_collective_allreduce"): torchft numbers some cases in the order of a set, which
-    changes from one interpreter to the next."""
-    return re.sub(r"_\d+(?=_|$)", "", name)
+    """A parameterized test's name without the case index before its description
+    ("test_collective_5_allreduce" -> "test_collective_allreduce"): torchft numbers some cases
+    in the order of a set, which changes from one interpreter to the next. A trailing index
+    (the case has no description: "..._commit_failure_07") stays, so cases stay apart."""
+    return re.sub(r"_\d+_(?=[A-Za-z])", "_", name)
 
 
 def read_report(path: Path) -> dict[str, tuple[str, str]]:
@@ -100,7 +101,9 @@ def read_report(path: Path) -> dict[str, tuple[str, str]]:
                 status, why = "FAIL", (child.get("message") or child.text or "").strip()
             elif child.tag == "skipped" and status != "FAIL":
                 status, why = "skip", (child.get("message") or "").strip()
-        results[stable_name(case.get("name", "?"))] = (status, why.splitlines()[0][:200] if why else "")
+        name = case.get("name", "?")
+        key = stable_name(name) if stable_name(name) not in results else name  # never merge two cases
+        results[key] = (status, why.splitlines()[0][:200] if why else "")
     return results
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 RUNNER = Path(__file__).resolve().parents[2] / "peers" / "run_torchft_suite.py"
 
-# Names without torchft's case indices (run_torchft_suite.stable_name).
+# Names without torchft's case indices before a description (run_torchft_suite.stable_name).
 MUST_PASS = {
     "process_group_test.py": [
         "test_gloo_apis_cpu",                                     # every op, then DDP on the group
@@ -34,7 +34,7 @@ MUST_PASS = {
         "test_ddp_recovery_async_quorum",                         # replica fails at step 2, healed
         "test_ddp_recovery_sync_quorum",
     ],
-    "local_sgd_integ_test.py": ["test_local_sgd_recovery", "test_diloco_recovery"],
+    "local_sgd_integ_test.py": ["test_local_sgd_recovery_0", "test_diloco_recovery_0"],
 }
 
 
