@@ -30,8 +30,9 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import xml.etree.ElementTree as ET
 from pathlib import Path
+
+import _junit  # beside this file
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -256,14 +257,7 @@ def read_reports(directory: Path, ranks: int) -> dict[str, list[tuple[str, str]]
         path = directory / f"rank{rank}.xml"
         if not path.exists():
             continue
-        for case in ET.parse(path).getroot().iter("testcase"):
-            name = case.get("name", "?")
-            status, why = "pass", ""
-            for child in case:
-                if child.tag in ("failure", "error"):
-                    status, why = "FAIL", (child.get("message") or child.text or "").strip()
-                elif child.tag == "skipped" and status != "FAIL":
-                    status, why = "skip", (child.get("message") or "").strip()
+        for name, status, why in _junit.outcomes(path):
             row = results.setdefault(name, [("-", "")] * ranks)
             if order[status] > order[row[rank][0]]:  # a teardown error after a pass counts
                 row[rank] = (status, why.splitlines()[0][:160] if why else "")

@@ -28,8 +28,9 @@ import re
 import subprocess
 import sys
 import tempfile
-import xml.etree.ElementTree as ET
 from pathlib import Path
+
+import _junit  # beside this file
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -94,14 +95,7 @@ def read_report(path: Path) -> dict[str, tuple[str, str]]:
     results: dict[str, tuple[str, str]] = {}
     if not path.exists():
         return results
-    for case in ET.parse(path).getroot().iter("testcase"):
-        status, why = "pass", ""
-        for child in case:
-            if child.tag in ("failure", "error"):
-                status, why = "FAIL", (child.get("message") or child.text or "").strip()
-            elif child.tag == "skipped" and status != "FAIL":
-                status, why = "skip", (child.get("message") or "").strip()
-        name = case.get("name", "?")
+    for name, status, why in _junit.outcomes(path):
         key = stable_name(name) if stable_name(name) not in results else name  # never merge two cases
         results[key] = (status, why.splitlines()[0][:200] if why else "")
     return results

@@ -58,6 +58,13 @@ def _finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
     return proc.returncode, output
 
 
+def _assert_exact(tmp: Path, output: str, size: int) -> None:
+    """The job ended as a world of `size` with exact weights, every sample once, nothing left running."""
+    results = _results(tmp)
+    assert len(results) == size and check(results, size) == [], f"{check(results, size)}\n{output[-4000:]}"
+    assert _left_running(tmp) == []
+
+
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 90) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
@@ -70,9 +77,7 @@ def test_a_killed_worker_leaves_the_others_running(tmp_path: Path) -> None:
     code, output = _finish(_launch(tmp_path, "kill", "-np", "3", "--min-np", "2", "--max-np", "3"))
     assert code == 0, output[-4000:]
     assert "worker w2" in output and "exited with signal SIGKILL; the other 2 go on" in output, output[-4000:]
-    results = _results(tmp_path)
-    assert len(results) == 2 and check(results, 2) == [], f"{check(results, 2)}\n{output[-4000:]}"
-    assert _left_running(tmp_path) == []
+    _assert_exact(tmp_path, output, 2)
 
 
 def test_discovery_adds_a_worker_that_joins(tmp_path: Path) -> None:
@@ -86,9 +91,7 @@ def test_discovery_adds_a_worker_that_joins(tmp_path: Path) -> None:
     code, output = _finish(proc)
     assert code == 0, output[-4000:]
     assert "host discovery: 2 -> 3 slots" in output and "started worker w2" in output, output[-4000:]
-    results = _results(tmp_path)
-    assert len(results) == 3 and check(results, 3) == [], f"{check(results, 3)}\n{output[-4000:]}"
-    assert _left_running(tmp_path) == []
+    _assert_exact(tmp_path, output, 3)
 
 
 def test_discovery_removes_a_worker_and_the_others_re_form(tmp_path: Path) -> None:
@@ -101,9 +104,7 @@ def test_discovery_removes_a_worker_and_the_others_re_form(tmp_path: Path) -> No
     code, output = _finish(proc)
     assert code == 0, output[-4000:]
     assert "host discovery: 3 -> 2 slots" in output and "stopping worker w2" in output, output[-4000:]
-    results = _results(tmp_path)
-    assert len(results) == 2 and check(results, 2) == [], f"{check(results, 2)}\n{output[-4000:]}"
-    assert _left_running(tmp_path) == []
+    _assert_exact(tmp_path, output, 2)
 
 
 def test_hvd_job_gets_a_replacement_for_a_killed_worker(tmp_path: Path) -> None:
