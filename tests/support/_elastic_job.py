@@ -8,7 +8,8 @@ are w0 - LR * sum of x(i) over the epoch, exactly, if and only if each sample wa
 
 One member, the victim, stops at the start of step `at_step` of epoch 0 in one of these ways:
 "kill" SIGKILLs itself; "wait" writes victim<rank>.json (host, pid) into `out_dir` and sleeps,
-for the test to kill, pause or cut off its host. With "hold" every member instead commits
+for the test to kill, pause or cut off its host; "store" SIGKILLs the store server (pid
+$TEST_STORE_PID) and trains on, so that the next commit finds the store gone. With "hold" every member instead commits
 again and again at that step until a newcomer is let in (State.commit raises WorldChanged).
 A process started after the others (elastic.init() finds the job running) is a newcomer.
 """
@@ -153,6 +154,10 @@ def _hold(state: Any, out_dir: str) -> None:
 
 
 def _stop(how: str, out_dir: str) -> None:
+    if how == "store":
+        os.kill(int(os.environ["TEST_STORE_PID"]), signal.SIGKILL)
+        time.sleep(0.2)  # gone before this step's allreduce and the commit after it
+        return
     if how == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     with open(os.path.join(out_dir, f"victim{os.environ.get('RANK', '?')}.json"), "w") as f:

@@ -64,6 +64,11 @@ def store(launch: _env.Launch, timeout: float) -> dist.Store:
     return _stores[key]
 
 
+def move(launch: _env.Launch, to: dist.Store) -> None:
+    """The job's store moved (torchring.elastic's standby took over): store(launch) returns `to` from now on."""
+    _stores[(launch.master_addr, launch.master_port)] = to
+
+
 def get(store: dist.Store, key: str, rank: int, what: str, timeout: float) -> bytes:
     """The value of `key`, waiting up to `timeout`; a CommunicatorFailedError naming `what` after that."""
     try:
@@ -83,7 +88,7 @@ def hosts_of(store: dist.Store, prefix: str, rank: int, world: int, host: str, t
             for r in range(world)]
 
 
-def _ipv4_of(host: str) -> str:
+def ipv4_of(host: str) -> str:
     """`host`'s IPv4 address, or `host` itself when it does not resolve."""
     try:
         return socket.gethostbyname(host)
@@ -95,7 +100,7 @@ def route_addr(master_addr: str, override: str | None) -> str:
     """The local address on the route to the store's host (what peers can connect to)."""
     if override:
         return override
-    target = _ipv4_of(master_addr)
+    target = ipv4_of(master_addr)
     if target.startswith("127."):
         return "127.0.0.1"
     return _env.source_address(target)
@@ -104,7 +109,7 @@ def route_addr(master_addr: str, override: str | None) -> str:
 def store_where(master_addr: str, infos: list[dict]) -> str:
     """How failure messages name the store when it does not answer: its host, its address and the
     ranks that run there (those whose route address to it is its own address)."""
-    target = _ipv4_of(master_addr)
+    target = ipv4_of(master_addr)
     there = [r for r, info in enumerate(infos) if info.get("addr") == target]
     if not there:
         return f"the rendezvous store on {master_addr}"

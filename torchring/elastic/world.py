@@ -12,9 +12,9 @@ workers and memory; a re-forming costs the failure's detection, `settle` seconds
 for joiners when a member died silently, and one init() of the engine (see
 benchmarks/RESULTS.md for the times measured).
 
-The store is the launcher's (torchrun's agent, or the job's own): the epoch rendezvous needs it
-to outlive the lost host, which holds when it is served outside the workers (the agent of a
-host that stays, or a store process of its own). The world's groups end with the old
+The store is the launcher's (torchrun's agent, rank 0's process, or the job's own). When it is
+lost with its host, the survivors meet at the first standby store that answers (standby.py):
+every world started with init() keeps a line of them. The world's groups end with the old
 communicator: new_group() again after a re-forming, as Horovod's process sets are re-made.
 """
 
@@ -26,10 +26,11 @@ import socket
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .._core import context as _context, env as _env, log as _log, rendezvous as _rendezvous
 from ..collectives import basic as _basic
-from . import membership
+from . import membership, standby
 from .membership import Epoch, Member, NotAMemberError
 
 _epoch = 0  # the epoch this process's world belongs to (0: the launcher's)
@@ -37,14 +38,16 @@ _store: Any = None  # the store the last re-forming met through (a world of 1 ke
 
 DEFAULT_SETTLE_S = 1.0
 JOIN_TIMEOUT_S = 600.0  # how long a process left out waits to be let in (Horovod's elastic timeout)
+STORE_LOST = -1  # joiners_waiting()'s answer when the store failed: re-form through a standby now
 
 
 class WorldChanged(Exception):
-    """Raised by State.commit() on every rank when processes wait to join: run() re-forms the
-    world with them (Horovod's HostsUpdatedInterrupt)."""
+    """Raised by State.commit() on every rank when processes wait to join, or when the store
+    failed (joiners == STORE_LOST): run() re-forms the world (Horovod's HostsUpdatedInterrupt)."""
 
     def __init__(self, joiners: int) -> None:
-        super().__init__(f"{joiners} process(es) wait to join the world")
+        super().__init__(f"{joiners} process(es) wait to join the world" if joiners >= 0 else
+                         "the rendezvous store failed; the world re-forms through a standby store")
         self.joiners = joiners
 
 
@@ -86,6 +89,7 @@ def init(timeout: float | None = None, join_timeout: float = JOIN_TIMEOUT_S) -> 
         _context.init(timeout)
         if _context.rank() == 0:
             store.set(_running_key(launch), "1")
+        standby.arm()
         return Epoch(0, (), _context.rank())
     me = _me(settings, -1)
     ended = _context.elastic_ended_key(_context.job(settings, launch), launch.restart)
@@ -93,10 +97,11 @@ def init(timeout: float | None = None, join_timeout: float = JOIN_TIMEOUT_S) -> 
         joined = membership.join(store, job, membership.current(store, job) + 1, me, expected=0, min_size=1,
                                  settle=DEFAULT_SETTLE_S, timeout=join_timeout, may_close=False, ended_key=ended)
     except membership.JobEndedError as e:
-        _log.logger.warning("torchring: %s", e)
+        _log.logger.warning("%s", e)
         raise SystemExit(0) from None  # a worker started too late for a finished job ends quietly
     _epoch = joined.number
     _context.init(timeout, membership=(joined.rank, joined.size, joined.number))
+    standby.arm()
     return joined
 
 
@@ -107,8 +112,9 @@ def reform(min_size: int | None = None, settle: float = DEFAULT_SETTLE_S, timeou
     rank and size torchring.rank() and torchring.size() report from now on. A process that
     arrives after the epoch closed waits to be let into the next one (at the members' next
     commit). Raises TimeoutError below `min_size` members (default TORCHRING_MIN_NP, which
-    torchring-run --min-np sets)."""
-    global _epoch, _store
+    torchring-run --min-np sets). When the store fails, the members meet at a standby."""
+    global _epoch
+    joiners = max(joiners, 0)  # STORE_LOST: every member comes, nobody new
     old_rank, old_world = _context.rank(), _context.size()
     settings = _context.settings()
     min_size = settings.min_np if min_size is None else min_size
@@ -120,27 +126,37 @@ def reform(min_size: int | None = None, settle: float = DEFAULT_SETTLE_S, timeou
     if old_world == 1 and not joiners:  # alone, and nobody waits: nothing to agree on
         joined = Epoch(_epoch + 1, (me,), 0)
     else:
-        store = _store = _rendezvous.store(launch, wait)
         job = _job(launch)
-        try:
-            joined = membership.join(store, job, _epoch + 1, me, expected=old_world - gone + joiners,
-                                     min_size=min_size, settle=settle, timeout=wait)
-        except NotAMemberError:
-            # Too late for the survivors' epoch (a slower detection): wait to be let into the next.
-            joined = membership.join(store, job, _epoch + 2, me, expected=0, min_size=1, settle=settle,
-                                     timeout=JOIN_TIMEOUT_S, may_close=False)
+
+        def join(store: Any) -> Epoch:
+            global _store
+            _store = store
+            try:
+                return membership.join(store, job, _epoch + 1, me, expected=old_world - gone + joiners,
+                                       min_size=min_size, settle=settle, timeout=wait)
+            except NotAMemberError:
+                # Too late for the survivors' epoch (a slower detection): wait to be let into the next.
+                return membership.join(store, job, _epoch + 2, me, expected=0, min_size=1, settle=settle,
+                                       timeout=JOIN_TIMEOUT_S, may_close=False)
+
+        joined = standby.meet(join, launch, wait)
     _epoch = joined.number
     _context.init(membership=(joined.rank, joined.size, joined.number))
+    standby.arm()
     return joined
 
 
 def joiners_waiting() -> int:
     """How many processes wait to join the next epoch, the same number on every rank (rank 0
-    reads the store, a broadcast tells the rest): State.commit() asks this."""
+    reads the store, a broadcast tells the rest): State.commit() asks this. STORE_LOST when
+    the store failed: the members re-form through a standby while they all still can."""
     store = _context.wiring()[0] or _store
     count = 0
     if _context.rank() == 0 and store is not None:
-        count = membership.pending(store, _job(_env.detect()), _epoch + 1)
+        try:
+            count = membership.pending(store, _job(_env.detect()), _epoch + 1)
+        except dist.DistError:  # alone, there is nobody to meet: the job goes on without a store
+            count = STORE_LOST if _context.size() > 1 else 0
     if _context.size() == 1:
         return count
     flag = torch.tensor([count], dtype=torch.int64)
@@ -155,13 +171,16 @@ def dead_neighbours(store: Any, prefix: str, host: str, rank: int, world: int) -
     if store is None:
         return 0
     gone = 0
-    for peer in range(world):
-        key = prefix + f"info/{peer}"
-        if peer == rank or not store.check([key]):
-            continue
-        info = json.loads(store.get(key))
-        if info.get("host") == host and not _alive(int(info["pid"])):
-            gone += 1
+    try:
+        for peer in range(world):
+            key = prefix + f"info/{peer}"
+            if peer == rank or not store.check([key]):
+                continue
+            info = json.loads(store.get(key))
+            if info.get("host") == host and not _alive(int(info["pid"])):
+                gone += 1
+    except dist.DistError:  # the store failed with its host: reform() meets at a standby, settling
+        return 0
     return gone
 
 
@@ -187,18 +206,16 @@ def reform_process_group(backend: str = "torchring", min_size: int | None = None
     and initializes a new default group of `backend` for it, under the epoch's own store keys.
     Wrap the model in DDP again afterwards (it broadcasts rank 0's parameters)."""
     global _epoch, _store
-    import torch.distributed as dist  # here: only a job on torch.distributed's groups needs it
-
     old_rank, old_world = dist.get_rank(), dist.get_world_size()
     settings = _context.settings()
     min_size = settings.min_np if min_size is None else min_size
     launch = _env.detect()
     wait = settings.timeout if timeout is None else float(timeout)
     dist.destroy_process_group()
-    store = _store = _rendezvous.store(launch, wait)
     job = _job(launch)
-    joined = membership.join(store, job, _epoch + 1, _me(settings, old_rank),
-                             expected=old_world, min_size=min_size, settle=settle, timeout=wait)
+    joined = standby.meet(lambda s: membership.join(s, job, _epoch + 1, _me(settings, old_rank), expected=old_world,
+                                                    min_size=min_size, settle=settle, timeout=wait), launch, wait)
+    store = _store = _rendezvous.store(launch, wait)
     _epoch = joined.number
     dist.init_process_group(backend, store=dist.PrefixStore(f"torchring/{job}/process-group-{joined.number}/", store),
                             rank=joined.rank, world_size=joined.size)

@@ -32,6 +32,35 @@ def test_a_killed_rank_costs_a_pause_and_no_sample(capsys: Any) -> None:
               f"the re-forming (detection, settle, init, sync): {pause * 1e3:.0f} ms")
 
 
+def test_rank_0_killed_with_the_store_it_served_the_survivors_meet_at_a_standby() -> None:
+    # host_store=False: rank 0's process serves the rendezvous store (the launch default), so
+    # its death takes the store too; the survivors re-form through the first standby in line.
+    outcomes = spawn(4, train, 0, 3, env={"TORCHRING_TIMEOUT": "10"}, expect_fail=True, timeout=120,
+                     host_store=False)
+    assert outcomes[0].exitcode == -signal.SIGKILL, outcomes[0].describe()
+    survivors = outcomes[1:]
+    assert all(o.ok for o in survivors), "\n".join(o.describe() for o in survivors)
+    results = [o.value for o in survivors]
+    assert check(results, 3) == []
+    assert [r["rank"] for r in results] == [0, 1, 2]
+    assert all(r["epoch"] == 1 and r["steps"] == 7 for r in results), [(r["epoch"], r["steps"]) for r in results]
+
+
+def test_a_lost_store_outside_the_workers_moves_at_the_next_commit(tmp_path: Any) -> None:
+    # The store runs in a process of its own (as torchrun's agent or a job's store server does)
+    # and dies while every rank lives: rank 0's commit finds it gone, and the whole world
+    # re-forms through a standby, keeping every rank and every sample.
+    from _store_server import store_server
+
+    with store_server() as (pid, port):
+        env = {"TORCHRING_TIMEOUT": "10", "TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_PORT": str(port),
+               "TEST_STORE_PID": str(pid)}
+        results = spawn(4, train, 1, 3, "store", env=env, timeout=120, host_store=False)
+    assert check(results, 4) == []
+    assert [r["rank"] for r in results] == [0, 1, 2, 3]
+    assert all(r["steps"] == 6 for r in results), [r["steps"] for r in results]
+
+
 def test_wrap_keeps_averaging_over_the_re_formed_world() -> None:
     from _elastic_job import averaged_reference
 

@@ -3,9 +3,10 @@
 it) or cut off (its cable pulled) at step 3. The survivors re-form a world of 3 in process and
 end with the exact weights of an epoch in which every sample was applied once.
 
-The rendezvous store runs on a fifth host that no fault touches: a store outside the workers,
-as torchrun's c10d rendezvous or a job's own store server provides it, so that losing any
-worker host leaves it reachable (the store on a worker's host would go down with it).
+For kill, pause and cable the rendezvous store runs on a fifth host that no fault touches: a
+store outside the workers, as a job's own store server provides it. For "store" it runs where
+the launch puts it by default, in rank 0's process, and rank 0's host is the one killed: the
+survivors meet at the first standby store in line (torchring/elastic/standby.py).
 
 This file is also the job (``__main__``): ``python this.py OUT VICTIM``; each rank writes
 ``result<rank>.json`` into OUT when it ends.
@@ -47,18 +48,19 @@ def _wait_for(path: str, procs: list, timeout: float) -> None:
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("fault", ["kill", "pause", "cable"])
+@pytest.mark.parametrize("fault", ["kill", "pause", "cable", "store"])
 def test_a_lost_host_costs_a_pause_and_no_sample(fault: str, capsys: pytest.CaptureFixture) -> None:
     from _elastic_job import check
     from _hosts import hosts
 
-    victim = 2
-    with hosts(5) as hs:
-        store_host, workers = hs[0], hs[1:]
-        shared = store_host.shared
-        server = _store_server(store_host)
-        env = job_env(hs, TORCHRING_TIMEOUT="5", TORCHELASTIC_USE_AGENT_STORE="True", WORLD_SIZE="4",
-                      LOCAL_WORLD_SIZE="1", MASTER_PORT=str(PORT), TORCHRING_JOB_ID=f"elastic-{fault}")
+    victim = 0 if fault == "store" else 2
+    with hosts(4 if fault == "store" else 5) as hs:
+        workers = hs if fault == "store" else hs[1:]
+        shared = hs[0].shared
+        server = None if fault == "store" else _store_server(hs[0])
+        agent = {} if fault == "store" else {"TORCHELASTIC_USE_AGENT_STORE": "True"}
+        env = job_env(hs, TORCHRING_TIMEOUT="5", WORLD_SIZE="4", LOCAL_WORLD_SIZE="1", MASTER_PORT=str(PORT),
+                      TORCHRING_JOB_ID=f"elastic-{fault}", **agent)
         procs, logs = [], []
         for rank, h in enumerate(workers):
             logs.append(os.path.join(shared, f"log{rank}.txt"))
@@ -71,7 +73,7 @@ def test_a_lost_host_costs_a_pause_and_no_sample(fault: str, capsys: pytest.Capt
             assert os.path.exists(os.path.join(shared, f"victim{victim}.json")), log_tails(logs)
             lost = workers[victim]
             t_fault = time.monotonic()
-            if fault == "kill":
+            if fault in ("kill", "store"):
                 lost.kill_all()
             elif fault == "pause":
                 lost.signal_all(signal.SIGSTOP)
@@ -89,7 +91,7 @@ def test_a_lost_host_costs_a_pause_and_no_sample(fault: str, capsys: pytest.Capt
                         results.append(json.load(f))
             assert check(results, 3) == [], f"{check(results, 3)}\n{log_tails(logs)}"
             # detection: at once for a killed host, within TORCHRING_TIMEOUT (5 s) for a silent one
-            assert took < (20 if fault == "kill" else 30), f"the survivors finished {took:.1f} s after the fault"
+            assert took < (20 if fault in ("kill", "store") else 30), f"the survivors finished {took:.1f} s after the fault"
             pause = max(r["marks"]["first_step_after"] for r in results) - t_fault  # one machine's clock
             with capsys.disabled():
                 print(f"\n[elastic] host {fault}: 4 -> 3 ranks, from the fault to the survivors' first step: "
@@ -98,7 +100,8 @@ def test_a_lost_host_costs_a_pause_and_no_sample(fault: str, capsys: pytest.Capt
             for p in procs:
                 if p.poll() is None:
                     p.kill()
-            server.kill()
+            if server is not None:
+                server.kill()
 
 
 def main() -> None:
