@@ -96,9 +96,11 @@ def train(launch_rank: int, victim: int, at_step: int, how: str = "kill", out_di
     return result
 
 
-def train_hvd(launch_rank: int, victim: int, at_step: int, refill: int = 0) -> dict[str, Any]:
+def train_hvd(launch_rank: int, victim: int, at_step: int, refill: int = 0,
+              distributed_optimizer: bool = False) -> dict[str, Any]:
     """The same job through torchring.horovod: hvd.init, hvd.elastic.TorchState and run, a
-    summed hvd.allreduce; the victim SIGKILLs itself at step `at_step`. With `refill` N, the
+    summed hvd.allreduce (or, with `distributed_optimizer`, hvd.DistributedOptimizer summing
+    in its hooks); the victim SIGKILLs itself at step `at_step`. With `refill` N, the
     survivors commit again and again once re-formed until newcomers bring the world back to N
     (commit raises HostsUpdatedInterrupt when one waits)."""
     import torchring.horovod as hvd
@@ -107,6 +109,8 @@ def train_hvd(launch_rank: int, victim: int, at_step: int, refill: int = 0) -> d
     hvd.init()
     model = Linear()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    if distributed_optimizer:
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), op=hvd.Sum)
     sampler = hvd.elastic.ElasticSampler(list(range(SAMPLES)), shuffle=True, seed=5)
     state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, step=0)
     trained: list[list[int]] = []
@@ -123,8 +127,9 @@ def train_hvd(launch_rank: int, victim: int, at_step: int, refill: int = 0) -> d
             chunk = indices[b:b + BATCH]
             optimizer.zero_grad()
             model(sum(x(i) for i in chunk)).backward()
-            model.w.grad.copy_(hvd.allreduce(model.w.grad, op=hvd.Sum))
-            optimizer.step()
+            if not distributed_optimizer:
+                model.w.grad.copy_(hvd.allreduce(model.w.grad, op=hvd.Sum))
+            optimizer.step()  # a DistributedOptimizer waits for its hooks' sums first
             state.sampler.record_batch(b // BATCH, BATCH)
             state.step += 1
             trained.append([world.epoch(), *chunk])

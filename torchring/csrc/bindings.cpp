@@ -305,8 +305,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             torchring::FailureBoard board;
             if (!where.empty()) board.where = where;
             board.post = [store](int rank, const std::string& message) {
-              store->set("failed/" + std::to_string(rank),
-                         std::vector<uint8_t>(message.begin(), message.end()));
+              const std::vector<uint8_t> bytes(message.begin(), message.end());
+              store->set("failed/" + std::to_string(rank), bytes);
+              store->set("failed/latest", bytes);
+            };
+            board.latest = [store] {
+              if (!store->check({"failed/latest"})) return std::string();
+              auto value = store->get("failed/latest");
+              return std::string(value.begin(), value.end());
             };
             board.read = [store](int rank) {
               std::string key = "failed/" + std::to_string(rank);

@@ -45,7 +45,7 @@ def recover(state: Any, error: BaseException) -> Epoch:
     and log who is left; the caller then syncs and goes on."""
     state.restore()
     before = _log_rank()
-    joined = reform(settle=settle_after(error))
+    joined = reform(settle=DEFAULT_SETTLE_S, gather=gather_after(error))
     _log.logger.warning("rank %s: %s; the world is re-formed in process as epoch %d: %d ranks, this "
                         "one now rank %d, back at the last commit", before,
                         failure_summary(error),
@@ -53,13 +53,16 @@ def recover(state: Any, error: BaseException) -> Epoch:
     return joined
 
 
-def settle_after(error: BaseException) -> float:
-    """How long the next epoch waits for late survivors. A dead process is seen by every
-    survivor at once (its connections close), so DEFAULT_SETTLE_S; a silent one (paused, cut
-    off) only when each survivor's own TORCHRING_TIMEOUT runs out, which can be up to one
-    timeout apart (progress with the others restarts a survivor's clock), so one timeout more."""
-    silent = " s timeout" in str(error)  # the engine's wording for a peer that stopped answering
-    return DEFAULT_SETTLE_S + (_context.settings().timeout if silent else 0.0)
+def gather_after(error: BaseException) -> float:
+    """How long a survivor that arrived first waits for the rest before the epoch may close
+    short of its expected size. A dead process is seen by every survivor at once (its
+    connections close): 0, the settle second decides. A silent one (paused, cut off) is seen
+    first by the survivor whose TORCHRING_TIMEOUT runs out; that one asks the board why for up
+    to 2 s (the engine's patience) before it arrives, while the others read its failure on the
+    board within a second and arrive before it: the patience and a second."""
+    text = str(error)
+    silent = " s timeout" in text or "stopped waiting for" in text  # the engine's wording
+    return min(2.0, _context.settings().timeout) + 1.0 if silent else 0.0
 
 
 def failure_summary(error: BaseException) -> str:

@@ -14,9 +14,10 @@ order, its own new rank, the new world size.
 
 The epoch closes, once at least `min_size` joiners are there, as soon as `expected` arrived (the
 old world less the members known dead: world.py counts the dead processes on its own host, and
-adds the joiners known to wait), or once no new joiner arrived for `settle` seconds (a lost host's
-ranks never arrive; a silent one's survivors each notice on their own clock, so world.py waits one
-timeout more for them). Members already in a world let waiting processes in at a commit:
+adds the joiners known to wait), or once no new joiner arrived for `settle` seconds and at
+least `gather` seconds passed since the deciding joiner's own arrival (a lost host's ranks never
+arrive; a silent host's survivors notice up to a few seconds apart, the first when its timeout
+runs out and the rest when they read its failure on the board, so world.py gathers longer then). Members already in a world let waiting processes in at a commit:
 pending() counts the joiners of the next epoch, and the members join it too, expecting them.
 Joiners 1..n are the epoch's members; a joiner that arrives after the close (a = n + 1, ...) is
 not, and learns so by name. The members' new ranks keep the old
@@ -88,7 +89,8 @@ def pending(store: Any, job: str, epoch: int) -> int:
 
 
 def join(store: Any, job: str, epoch: int, me: Member, expected: int, min_size: int, settle: float,
-         timeout: float, poll: float = 0.01, may_close: bool = True, ended_key: str | None = None) -> Epoch:
+         timeout: float, poll: float = 0.01, may_close: bool = True, ended_key: str | None = None,
+         gather: float = 0.0) -> Epoch:
     """Joins `epoch` of `job` and returns it once closed (see the module docstring); raises
     NotAMemberError if it closed before this process arrived, TimeoutError if fewer than
     `min_size` joined within `timeout` seconds (with enough, the settle time decides). A joiner
@@ -116,7 +118,8 @@ def join(store: Any, job: str, epoch: int, me: Member, expected: int, min_size: 
             now = time.monotonic()
             if count != seen:
                 seen, last_change = count, now
-            if count >= min_size and (count >= expected or now - last_change >= settle):
+            quiet = now - last_change >= settle and now - start >= gather
+            if count >= min_size and (count >= expected or quiet):
                 closed = _close(store, keys, count)
             elif count < min_size and now - start > timeout:
                 raise TimeoutError(

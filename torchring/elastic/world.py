@@ -106,13 +106,14 @@ def init(timeout: float | None = None, join_timeout: float = JOIN_TIMEOUT_S) -> 
 
 
 def reform(min_size: int | None = None, settle: float = DEFAULT_SETTLE_S, timeout: float | None = None,
-           joiners: int = 0) -> Epoch:
+           joiners: int = 0, gather: float = 0.0) -> Epoch:
     """Leaves the current world and forms the next epoch's with every process that calls this
     too (the survivors of a failure) and the `joiners` known to wait; returns the epoch, whose
     rank and size torchring.rank() and torchring.size() report from now on. A process that
     arrives after the epoch closed waits to be let into the next one (at the members' next
     commit). Raises TimeoutError below `min_size` members (default TORCHRING_MIN_NP, which
-    torchring-run --min-np sets). When the store fails, the members meet at a standby."""
+    torchring-run --min-np sets). `gather`: see membership.join. When the store fails, the
+    members meet at a standby."""
     global _epoch
     joiners = max(joiners, 0)  # STORE_LOST: every member comes, nobody new
     old_rank, old_world = _context.rank(), _context.size()
@@ -133,7 +134,7 @@ def reform(min_size: int | None = None, settle: float = DEFAULT_SETTLE_S, timeou
             _store = store
             try:
                 return membership.join(store, job, _epoch + 1, me, expected=old_world - gone + joiners,
-                                       min_size=min_size, settle=settle, timeout=wait)
+                                       min_size=min_size, settle=settle, timeout=wait, gather=gather)
             except NotAMemberError:
                 # Too late for the survivors' epoch (a slower detection): wait to be let into the next.
                 return membership.join(store, job, _epoch + 2, me, expected=0, min_size=1, settle=settle,

@@ -83,16 +83,17 @@ def shutdown() -> None:
     _context.shutdown()
 
 
-def reform(joiners: int = 0, settle: float | None = None) -> Any:
+def reform(joiners: int = 0, gather: float = 0.0) -> Any:
     """Re-forms the world in process (torchring.elastic.reform: the survivors, and `joiners`
-    waiting processes) with Horovod's side stopped around it; returns the epoch joined."""
+    waiting processes; `gather` as there) with Horovod's side stopped around it; returns the
+    epoch joined."""
     from ..elastic import world as _world  # here: elastic sits below hvd, and only elastic jobs re-form
 
     basics._started = False
     timeline.stop()
     process_sets.stop()
     handles.clear()
-    joined = _world.reform(joiners=joiners, settle=_world.DEFAULT_SETTLE_S if settle is None else settle)
+    joined = _world.reform(joiners=joiners, gather=gather)
     process_sets_module_start(None)
     basics._started = True
     return joined

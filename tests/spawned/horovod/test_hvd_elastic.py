@@ -211,14 +211,18 @@ def test_a_killed_rank_ends_with_the_same_model_as_no_failure(tmp_path: Path) ->
         assert torch.equal(want[key], got[key]), f"{key} differs after the restart"
 
 
-def test_a_killed_rank_recovers_in_process_as_in_horovod() -> None:
+@pytest.mark.parametrize("distributed_optimizer", [False, True], ids=["allreduce", "DistributedOptimizer"])
+def test_a_killed_rank_recovers_in_process_as_in_horovod(distributed_optimizer: bool) -> None:
     """4 ranks under hvd.elastic, rank 2 SIGKILLed at step 3: the survivors restore, re-form a
-    world of 3 in process and end with the weights of an epoch with every sample applied once."""
+    world of 3 in process and end with the weights of an epoch with every sample applied once,
+    summing with hvd.allreduce or through hvd.DistributedOptimizer's hooks (which go on in the
+    re-formed world)."""
     import signal
 
     from _elastic_job import check, train_hvd
 
-    outcomes = spawn(4, train_hvd, 2, 3, env={"TORCHRING_TIMEOUT": "10"}, expect_fail=True, timeout=120)
+    outcomes = spawn(4, train_hvd, 2, 3, 0, distributed_optimizer, env={"TORCHRING_TIMEOUT": "10"},
+                     expect_fail=True, timeout=120)
     assert outcomes[2].exitcode == -signal.SIGKILL, outcomes[2].describe()
     survivors = [outcomes[r] for r in (0, 1, 3)]
     assert all(o.ok for o in survivors), "\n".join(o.describe() for o in survivors)

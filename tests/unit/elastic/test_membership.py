@@ -22,14 +22,15 @@ def store() -> Any:
 
 
 def _join_all(store: Any, job: str, members: list[Member], epoch: int = 1, expected: int = 4, min_size: int = 1,
-              settle: float = 0.3, timeout: float = 10.0, delays: dict[str, float] | None = None) -> dict[str, Any]:
+              settle: float = 0.3, timeout: float = 10.0, delays: dict[str, float] | None = None,
+              gather: float = 0.0) -> dict[str, Any]:
     results: dict[str, Any] = {}
 
     def one(m: Member) -> None:
         time.sleep((delays or {}).get(m.uid, 0.0))
         client = dist.TCPStore("127.0.0.1", store.port, None, False, timeout=datetime.timedelta(seconds=30))
         try:
-            results[m.uid] = join(client, job, epoch, m, expected, min_size, settle, timeout)
+            results[m.uid] = join(client, job, epoch, m, expected, min_size, settle, timeout, gather=gather)
         except Exception as exc:  # the test inspects it
             results[m.uid] = exc
 
@@ -82,6 +83,19 @@ def test_a_late_joiner_is_told_it_is_not_a_member(store: Any) -> None:
     assert got["host:0"].size == 2 and got["host:1"].size == 2
     assert isinstance(got["host:2"], NotAMemberError), got["host:2"]
     assert "after it closed with 2 members" in str(got["host:2"]) and "rank 2 before" in str(got["host:2"])
+
+
+@pytest.mark.parametrize("gather", [0.0, 1.5])
+def test_gather_waits_for_a_survivor_that_notices_later(store: Any, gather: float) -> None:
+    # A silent host's survivors notice apart: host:2 arrives 0.8 s after the others, longer
+    # than the settle time. Only a gather time that covers the gap keeps it in the epoch.
+    job = uuid.uuid4().hex
+    got = _join_all(store, job, [_member(0), _member(1), _member(2)], expected=4, settle=0.2,
+                    delays={"host:2": 0.8}, gather=gather)
+    if gather:
+        assert [got[f"host:{r}"].rank for r in range(3)] == [0, 1, 2]
+    else:
+        assert got["host:0"].size == 2 and isinstance(got["host:2"], NotAMemberError), got
 
 
 def test_too_few_members_time_out_naming_the_shortfall(store: Any) -> None:

@@ -112,6 +112,7 @@ void Communicator::setFailureBoard(FailureBoard board) {
   board_ = std::move(board);
   if (tcp_) {
     tcp_->setExplain([this](int peer, const std::string& message) { return explainPeer(peer, message); });
+    if (board_.latest) tcp_->setNews([this] { return boardNews(); });
   }
 }
 
@@ -271,8 +272,8 @@ void Communicator::abort(const std::string& why) {
       if (failure_.empty()) failure_ = why;
     }
     if (shm_) shm_->abort(why);
+    postFailure(why);  // before the links close (see execute)
     if (tcp_) tcp_->interrupt();
-    postFailure(why);
   }
   shutdown();
 }
@@ -288,8 +289,8 @@ void Communicator::onP2PFailure(const std::string& message) {
     if (failure_.empty()) failure_ = message;
   }
   if (shm_) shm_->abort(message);
+  postFailure(message);  // before the links close (see execute)
   if (tcp_) tcp_->interrupt();
-  postFailure(message);
 }
 
 std::shared_ptr<CpuWork> Communicator::submitCheck(OpKind kind, const at::Tensor& like, ReduceOp op,
@@ -403,9 +404,9 @@ void Communicator::execute(Op& op) {
       if (failure_.empty()) failure_ = failure;
     }
     if (shm_) shm_->abort(failure);
+    postFailure(failure);  // before the links close: a partner that sees them close reads it at once
     if (tcp_) tcp_->close();
     if (p2p_) p2p_->fail(failure);
-    postFailure(failure);
     error = std::make_exception_ptr(CommFailedError(failure, kRecoveryHint));
   }
   op.tensor = at::Tensor();

@@ -75,6 +75,7 @@ struct CommOptions {
 struct FailureBoard {
   std::function<void(int rank, const std::string& message)> post;
   std::function<std::string(int rank)> read;  // "" when the rank posted nothing
+  std::function<std::string()> latest;        // a failure any rank posted ("" while none)
   // Where the store lives, for the message when it does not answer: "the rendezvous store on
   // trh0 (198.18.0.1, where rank 0 runs)"; its host is then the one that is cut off.
   std::string where = "the rendezvous store";
@@ -216,6 +217,10 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   Algo broadcastAlgo(size_t bytes) const;
   std::string rankText() const { return "rank " + std::to_string(opt_.rank); }
   std::string explainPeer(int peer, const std::string& message);
+  // A failure another rank posted, asked of the board at most every 0.5 s on a thread of its
+  // own ("" while none is known): a rank waiting on a healthy partner learns that the world
+  // failed elsewhere without waiting out its own timeout.
+  std::string boardNews();
 
   CommOptions opt_;
   uint64_t forkGeneration_;  // at creation; a forked child's copy never runs or closes
@@ -226,6 +231,8 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   LinkCost cost_;  // the job's agreed cost model (setLinkCost)
   std::unique_ptr<P2P> p2p_;
   FailureBoard board_;
+  struct News;
+  std::shared_ptr<News> news_;  // boardNews()'s state, shared with its reading thread
 
   std::mutex mutex_;
   std::condition_variable cv_;

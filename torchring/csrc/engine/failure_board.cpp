@@ -69,10 +69,11 @@ int blamedRank(const std::string& message) {
 // there is after a short wait, the chain is followed through the board: the rank the bare
 // message blames, and the one that one blames, ..., so that a survivor several links away from
 // a lost host still names it. Every store request runs under withDeadline: an unreachable
-// store never holds this up.
+// store never holds this up. When `peer`'s connection ended, it posted before closing
+// (execute() posts before it closes the links) or it died: a short patience tells which.
 std::string Communicator::explainPeer(int peer, const std::string& message) {
   if (!board_.read) return "";
-  const double patience = std::min(2.0, opt_.timeoutSec);
+  const double patience = TcpLinks::connectionEnded(message) ? 0.3 : std::min(2.0, opt_.timeoutSec);
   auto board = board_;  // copies: the thread below may outlive this communicator
   const int rank = opt_.rank;
   return withDeadline(
@@ -106,6 +107,37 @@ std::string Communicator::explainPeer(int peer, const std::string& message) {
       " -- " + board.where + " did not answer within " + std::to_string(static_cast<int>(patience + 1.0)) +
           " s either: that host is likely unreachable or down, so rank " + std::to_string(peer) +
           "'s own error is unknown");
+}
+
+struct Communicator::News {
+  std::mutex mutex;
+  std::string text;        // the newest answer ("" while none)
+  bool asking = false;     // a reading thread runs
+  Clock::time_point asked{};
+};
+
+// The board is asked on a detached thread (the store may not answer); the caller reads the
+// last answer and at most every 0.5 s starts another question. A posted failure is final (the
+// poster's communicator is dead), so once there is an answer it is kept.
+std::string Communicator::boardNews() {
+  if (!board_.latest) return "";
+  if (!news_) news_ = std::make_shared<News>();
+  auto news = news_;
+  std::lock_guard<std::mutex> lock(news->mutex);
+  if (!news->text.empty() || news->asking || secondsSince(news->asked) < 0.5) return news->text;
+  news->asking = true;
+  news->asked = Clock::now();
+  std::thread([news, latest = board_.latest] {
+    std::string text;
+    try {
+      text = latest();
+    } catch (const std::exception&) {  // the store is gone: nothing learned
+    }
+    std::lock_guard<std::mutex> lock(news->mutex);
+    news->text = std::move(text);
+    news->asking = false;
+  }).detach();
+  return news->text;
 }
 
 // Tells the others why through the failure board, without waiting long on the store.

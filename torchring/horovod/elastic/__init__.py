@@ -88,7 +88,7 @@ def run(func: F) -> F:
                         basics.rank(), str(exc).splitlines()[0] if str(exc) else type(exc).__name__, where)
                     raise
                 state.restore()  # in process, as Horovod: restore, re-form, reset, sync
-                joined = runtime.reform(settle=_elastic.settle_after(exc))
+                joined = runtime.reform(gather=_elastic.gather_after(exc))
                 _log.logger.warning("rank %d: hvd.elastic.run: %s; the world is re-formed in process as "
                                     "epoch %d: %d ranks, back at the last commit", joined.rank,
                                     _elastic.failure_summary(exc),

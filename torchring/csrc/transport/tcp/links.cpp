@@ -316,8 +316,7 @@ void TcpLinks::exchange(int sendTo, const std::vector<Span>& send, int recvFrom,
         }
         progressed = true;
       } else if (w < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-        fail(std::string("lost the connection (") + std::strerror(errno) +
-                 "; the peer failed or exited) to",
+        fail(std::string(kLostFrom) + std::strerror(errno) + "; the peer failed or exited) to",
              sendTo);
       }
     }
@@ -330,16 +329,28 @@ void TcpLinks::exchange(int sendTo, const std::vector<Span>& send, int recvFrom,
         progressed = true;
         if (onRecv) onRecv(received);
       } else if (got == 0) {
-        fail("connection closed (the peer failed or exited) by", recvFrom);
+        fail(kClosedBy, recvFrom);
       } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-        fail(std::string("lost the connection (") + std::strerror(errno) + ") from", recvFrom);
+        fail(std::string(kLostFrom) + std::strerror(errno) + ") from", recvFrom);
       }
     }
     idle = !progressed;
     if (progressed) {
       lastProgress = Clock::now();
       if (onProgress_) onProgress_();
-    } else if (secondsSince(lastProgress) > opt_.timeoutSec) {
+    } else if (news_ && secondsSince(lastProgress) > kNewsAfterSec) {
+      // A partner that stopped may be stuck on a third rank that failed already (a silent
+      // host's neighbour gave up first): the board says so, and every survivor then notices
+      // within about a second of the first instead of each waiting out its own timeout.
+      const std::string news = news_();
+      if (!news.empty()) {
+        const int member = receiving ? recvFrom : sendTo;
+        throw CommFailedError("rank " + std::to_string(opt_.rank) + " (this process): " +
+                              (hasOp_ ? op_.what() : std::string("setup")) + ": stopped waiting for " +
+                              describe(member) + " because another rank failed: " + news);
+      }
+    }
+    if (!progressed && secondsSince(lastProgress) > opt_.timeoutSec) {
       std::ostringstream why;
       why << "hit the " << opt_.timeoutSec << " s timeout with no progress "
           << (receiving ? "receiving from" : "sending to");

@@ -105,6 +105,17 @@ class TcpLinks {
   void setExplain(std::function<std::string(int, const std::string&)> explain) {
     explain_ = std::move(explain);
   }
+  // What another rank's failure says ("" while none): exchange() asks it after kNewsAfterSec
+  // without progress and gives up waiting when there is an answer.
+  void setNews(std::function<std::string()> news) { news_ = std::move(news); }
+  // Whether a failure message of fail() says the partner's connection ended (closed, reset):
+  // the partner then either said why on the failure board before it closed, or died.
+  static bool connectionEnded(const std::string& message) {
+    return message.find(kClosedBy) != std::string::npos || message.find(kLostFrom) != std::string::npos;
+  }
+  static constexpr const char* kClosedBy = "connection closed (the peer failed or exited) by";
+  static constexpr const char* kLostFrom = "lost the connection (";
+  static constexpr double kNewsAfterSec = 1.0;
 
  private:
   struct Link {
@@ -154,6 +165,7 @@ class TcpLinks {
   std::vector<float> hostSum_;
   std::function<std::string(int, const std::string&)> explain_;
   std::function<void()> onProgress_;
+  std::function<std::string()> news_;
 };
 
 }  // namespace torchring
