@@ -14,7 +14,8 @@ fails or is killed, torch's agent stops all the others; with --max-restarts K th
 restarts (torchring re-initializes under a new restart count) up to K times. Ctrl-C stops
 everything. With --min-np/--max-np (or --host-discovery-script) the job is elastic instead: this
 launcher supervises the workers itself, a lost one leaves the others running, and they re-form
-in process (launch/elastic.py). -H host0:2,host1:2 (or --hostfile) starts the ranks of other hosts over ssh.
+in process (launch/elastic.py), on this host and on others over ssh. -H host0:2,host1:2 (or
+--hostfile) starts the ranks of other hosts over ssh.
 
 horovodrun's common flags are accepted, so `horovodrun -np 4 python train.py` becomes
 `torchring-run -np 4 python train.py`: -H/--hosts and --hostfile (in rank order, other
@@ -108,7 +109,8 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--max-np", type=_at_least(1, int), default=None,
                    help="never more workers than this (default: -np, or the slots)")
     e.add_argument("--host-discovery-script", default=None,
-                   help="prints this host's slots ('localhost:4'), polled every --discovery-interval s")
+                   help="prints the hosts' slots ('node1:4' per line), polled every --discovery-interval s; "
+                        "other hosts' workers start over ssh")
     e.add_argument("--discovery-interval", type=_at_least(0.1), default=1.0,
                    help="seconds between runs of the discovery script (default 1)")
     e.add_argument("--elastic-timeout", type=_at_least(0), default=600.0,
@@ -292,10 +294,13 @@ def _elastic(args: argparse.Namespace) -> bool:
 
 def _resolve_elastic(parser: argparse.ArgumentParser, args: argparse.Namespace) -> _elastic_launch.ElasticPlan:
     """The elastic job `args` ask for: -np, --min-np, --max-np and the slots made consistent."""
-    if args.remote_hosts:
-        parser.error("--min-np/--max-np/--host-discovery-script start workers on this host only: "
-                     "drop the other hosts of -H/--hostfile")
-    fixed = args.num_proc if args.host_discovery_script is None else None
+    fixed: dict[str, int] | None = None
+    if args.host_discovery_script is None and args.remote_hosts:
+        fixed = {}
+        for host, slots in args.remote_hosts:
+            fixed[host] = fixed.get(host, 0) + slots
+    elif args.host_discovery_script is None and args.num_proc:
+        fixed = {"localhost": args.num_proc}
     max_np = args.max_np or args.num_proc or args.min_np
     if args.host_discovery_script is None and not args.num_proc:
         parser.error("give -np N (or -H localhost:N) or --host-discovery-script for an elastic job")
@@ -314,7 +319,8 @@ def _resolve_elastic(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         argv = [sys.executable, "-u", *tail]
     return _elastic_launch.ElasticPlan(argv, min_np, max_np, initial, replacements=args.max_restarts,
                                        discovery=args.host_discovery_script, fixed_slots=fixed,
-                                       interval=args.discovery_interval, elastic_timeout=args.elastic_timeout)
+                                       interval=args.discovery_interval, elastic_timeout=args.elastic_timeout,
+                                       ssh_port=args.ssh_port, ssh_identity=args.ssh_identity_file)
 
 
 def _be_verbose(env: dict[str, str], command: list[str]) -> None:
@@ -341,7 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     if _elastic(args):  # workers supervised here: a failed one does not stop the others
         plan = _resolve_elastic(parser, args)
         plan.env.update(env)
-        threads = _threads.set_rank_threads(os.environ, plan.max_np)
+        fixed = plan.fixed_slots or {}
+        here = sum(n for h, n in fixed.items() if _is_this_host(h)) if fixed else plan.max_np
+        threads = _threads.set_rank_threads(os.environ, min(plan.max_np, max(here, 1)))
         if threads:
             print(threads, file=sys.stderr)
         _build.load()

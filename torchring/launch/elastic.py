@@ -17,27 +17,32 @@ re-form. Here the launcher supervises the workers itself:
 - A worker that exits with an error, or is killed, is reported and left alone: the others go
   on (torchring.elastic re-forms their world). With --max-restarts K, up to K failed workers are
   replaced by new processes, which join as newcomers at the members' next commit.
-- Slots: the host discovery script (horovodrun's --host-discovery-script: prints "host:slots"
-  or "host slots=N" lines), polled every --discovery-interval seconds, else -H/--hostfile, else
-  -np. The first -np workers start together; then the job keeps min(--max-np, slots) workers,
-  less the slots of failed workers not replaced (until the script reports a change): more
-  slots start newcomers; fewer stop the newest workers (SIGTERM), which the others see as lost
-  ranks.
+- Slots, per host: the host discovery script (horovodrun's --host-discovery-script: prints
+  "host:slots" or "host slots=N" lines), polled every --discovery-interval seconds, else
+  -H/--hostfile, else -np on this host. The first -np workers start together, filling the hosts
+  in order; then each host keeps its slots' worth of workers (the hosts in order, --max-np in
+  all), less the slots of its failed workers not replaced (until the script reports a change):
+  more slots start newcomers there; fewer, or a host gone from the list, stop its newest
+  workers, which the others see as lost ranks.
+- Other hosts' workers start over ssh (torchring-run -H's ssh command and options), each
+  under torchring/launch/worker.py, which stops it when its lifeline closes. The workers reach
+  the store at this host's address on the route to the first other host known at the start; so a job started on this host alone cannot take
+  in other hosts later (the launcher says so and leaves them out).
 - Fewer than --min-np workers alive, for --elastic-timeout seconds: every worker is stopped and
   the job fails, saying so.
 - The job ends when its workers have exited: 0 if one of them finished its script (exit 0) after
   the last failure, else the first failure's code. Once one finished, nothing new starts, and a
   newcomer still waiting to be let in ends (exit 0) instead of waiting for members that are gone.
 
-Workers start on this host; a discovery script that names another host is an error here
-(torchring-run -H starts other hosts' ranks over ssh without elasticity). Output lines carry
-the worker's start index "[w3]: ", which unlike ranks does not change when the world re-forms.
+Output lines carry the worker's start index "[w3]: ", which unlike ranks does not change
+when the world re-forms.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -48,9 +53,10 @@ from datetime import timedelta
 from typing import Any, Callable
 
 from .._core import context as _context
+from . import ssh as _ssh
 from .output import prefix_chunk
 
-__all__ = ["ElasticPlan", "parse_slots", "run"]
+__all__ = ["ElasticPlan", "parse_slots", "placement", "run"]
 
 
 @dataclass
@@ -63,16 +69,19 @@ class ElasticPlan:
     initial_np: int
     replacements: int = 0                    # --max-restarts: failed workers that may be replaced
     discovery: str | None = None             # the host discovery script
-    fixed_slots: int | None = None           # -H/--hostfile's slots, without a script
+    fixed_slots: dict[str, int] | None = None  # -H/--hostfile's (or -np's, on localhost) slots, without a script
     interval: float = 1.0                    # --discovery-interval
     elastic_timeout: float = 600.0           # --elastic-timeout
     env: dict[str, str] = field(default_factory=dict)
+    ssh_port: int | None = None              # --ssh-port, for other hosts' workers
+    ssh_identity: str | None = None          # --ssh-identity-file
 
 
-def parse_slots(text: str, is_this_host: Callable[[str], bool]) -> int:
-    """The slots a discovery script's output gives this host ("host:slots", "host slots=N" or
-    "host" per line; # comments); ValueError naming a line it cannot read or another host."""
-    total = 0
+def parse_slots(text: str) -> dict[str, int]:
+    """The slots per host, in order of first mention, of a discovery script's output
+    ("host:slots", "host slots=N" or "host" per line; # comments; a host named twice adds up);
+    ValueError naming a line it cannot read."""
+    slots_of: dict[str, int] = {}
     for number, line in enumerate(text.splitlines(), 1):
         words = line.split("#", 1)[0].split()
         if not words:
@@ -86,16 +95,23 @@ def parse_slots(text: str, is_this_host: Callable[[str], bool]) -> int:
             raise ValueError(f"line {number}: {line.strip()!r} is not 'host:slots' or 'host slots=N'")
         if not slots.isdigit():
             raise ValueError(f"line {number}: {line.strip()!r}: slots must be a whole number")
-        if not is_this_host(host):
-            raise ValueError(f"line {number}: host {host!r} is not this host; torchring-run's elastic mode "
-                             "starts workers on this host only")
-        total += int(slots)
-    return total
+        slots_of[host] = slots_of.get(host, 0) + int(slots)
+    return slots_of
+
+
+def placement(slots: dict[str, int], lost: dict[str, int], max_np: int) -> dict[str, int]:
+    """How many workers each host keeps: its slots less its lost ones, the hosts in order, max_np in all."""
+    want, left = {}, max_np
+    for host, count in slots.items():
+        want[host] = max(0, min(count - lost.get(host, 0), left))
+        left -= want[host]
+    return want
 
 
 @dataclass
 class _Worker:
     index: int
+    host: str
     proc: subprocess.Popen
     reader: threading.Thread
 
@@ -107,39 +123,55 @@ class _Driver:
         import torch.distributed as dist  # the store's class; the launcher imports torch anyway
 
         self.plan, self.is_this_host = plan, is_this_host
+        self.slots: dict[str, int] = dict(plan.fixed_slots or {})  # a discovery script's come in run()
+        self.lost: dict[str, int] = {}  # per host: failed workers not replaced, until the script reports anew
+        # A TCPStore server listens on every interface: the other hosts' workers reach it too.
         self.store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=60),
                                    wait_for_workers=False)
+        self.master = "127.0.0.1"  # where the workers reach the store; set in run() once the hosts are known
         self.job = plan.env.get("TORCHRING_JOB_ID") or f"elastic-{uuid.uuid4().hex[:12]}"
         self.workers: list[_Worker] = []
         self.started = 0
         self.replacements = plan.replacements
-        self.launched = plan.initial_np  # the world size the first workers start with
-        self.lost = 0  # slots of failed workers not replaced, until the discovery script reports anew
-        self.slots = plan.fixed_slots if plan.fixed_slots is not None else plan.initial_np
+        self.launched: dict[str, int] = {}  # the workers each host starts with
         self.first_failure: int | None = None
         self.finished = False  # a worker finished its script after the last failure: the job ends
         self.stopping: set[int] = set()  # workers stopped here (fewer slots), not failed
         self.short_since: float | None = None
+        self.refused: set[str] = set()  # other hosts a job on this host alone cannot take in
         self.out_lock = threading.Lock()
 
     # -- workers -------------------------------------------------------------------------
-    def _start(self, newcomer: bool) -> None:
+    def _start(self, host: str, newcomer: bool) -> None:
         index = self.started
         self.started += 1
-        env = {**os.environ, **self.plan.env, "TORCHRING_JOB_ID": self.job, "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(self.store.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
-               "TORCHELASTIC_RESTART_COUNT": "0", "LOCAL_RANK": str(index), "RANK": str(index),
-               "TORCHRING_MIN_NP": str(self.plan.min_np), "HOROVOD_ELASTIC": "1",
-               # A newcomer's size is a placeholder: elastic.init() finds the job running and
-               # takes the rank and size the members give it.
-               "WORLD_SIZE": str(index + 1 if newcomer else self.launched),
-               "LOCAL_WORLD_SIZE": str(index + 1 if newcomer else self.launched)}
-        proc = subprocess.Popen(self.plan.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        here = self.is_this_host(host)
+        local = sum(1 for w in self.workers if w.host == host)
+        world = sum(self.launched.values())
+        worker_env = {"TORCHRING_JOB_ID": self.job, "MASTER_ADDR": self.master,
+                      "MASTER_PORT": str(self.store.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+                      "TORCHELASTIC_RESTART_COUNT": "0", "LOCAL_RANK": str(local), "RANK": str(index),
+                      "TORCHRING_MIN_NP": str(self.plan.min_np), "HOROVOD_ELASTIC": "1",
+                      "HOROVOD_HOSTNAME": host,
+                      # A newcomer's size is a placeholder: elastic.init() finds the job running and
+                      # takes the rank and size the members give it.
+                      "WORLD_SIZE": str(index + 1 if newcomer else world),
+                      "LOCAL_WORLD_SIZE": str(local + 1 if newcomer else self.launched.get(host, 1))}
+        if here:
+            proc = subprocess.Popen(self.plan.command, env={**os.environ, **self.plan.env, **worker_env},
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        else:
+            env = {**_ssh.forwarded_env({**os.environ, **self.plan.env}), **worker_env}
+            remote = _ssh.remote_command([sys.executable, "-u", "-m", "torchring.launch.worker", "--",
+                                         *self.plan.command], env, os.getcwd())
+            argv = _ssh.client_argv(host, remote, port=self.plan.ssh_port, identity=self.plan.ssh_identity)
+            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
         reader = threading.Thread(target=self._copy, args=(proc, f"[w{index}]: ".encode()), daemon=True)
         reader.start()
-        self.workers.append(_Worker(index, proc, reader))
+        self.workers.append(_Worker(index, host, proc, reader))
         if newcomer:
-            self._say(f"started worker w{index} (pid {proc.pid}); it joins at the members' next commit")
+            self._say(f"started worker w{index} on {host} (pid {proc.pid}); it joins at the members' next commit")
 
     def _copy(self, proc: subprocess.Popen, prefix: bytes) -> None:
         at_start = True
@@ -155,9 +187,21 @@ class _Driver:
             print(f"torchring-run: {message}", file=sys.stderr, flush=True)
 
     def _stop(self, worker: _Worker, why: str) -> None:
-        self._say(f"stopping worker w{worker.index} (pid {worker.proc.pid}): {why}")
+        """Stops `worker`: SIGTERM here, its lifeline closed on another host; SIGKILL 10 s later."""
+        self._say(f"stopping worker w{worker.index} on {worker.host} (pid {worker.proc.pid}): {why}")
         self.stopping.add(worker.index)
-        worker.proc.terminate()
+        if worker.proc.stdin is not None:
+            try:
+                worker.proc.stdin.close()
+            except OSError:
+                pass
+        else:
+            worker.proc.terminate()
+        try:
+            worker.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            worker.proc.kill()
+            worker.proc.wait()
 
     def _reap(self) -> None:
         for worker in list(self.workers):
@@ -175,15 +219,17 @@ class _Driver:
                 self.store.set(_context.elastic_ended_key(self.job, 0), "1")
                 continue
             how = f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
+            if code == 255 and worker.proc.stdin is not None:
+                how += " (ssh's own: the host or its network stopped answering, or ssh failed)"
             if self.first_failure is None:
                 self.first_failure = code if code > 0 else 128 - code
             self.finished = False
-            self._say(f"worker w{worker.index} (pid {worker.proc.pid}) exited with {how}; the other "
-                      f"{len(self.workers)} go on (torchring.elastic re-forms their world)")
+            self._say(f"worker w{worker.index} on {worker.host} (pid {worker.proc.pid}) exited with {how}; the "
+                      f"other {len(self.workers)} go on (torchring.elastic re-forms their world)")
             if self.replacements > 0:
                 self.replacements -= 1  # _balance() starts the newcomer in its slot
             else:
-                self.lost += 1
+                self.lost[worker.host] = self.lost.get(worker.host, 0) + 1
 
     # -- slots ---------------------------------------------------------------------------
     def _discover(self) -> None:
@@ -194,48 +240,59 @@ class _Driver:
                                   timeout=max(10.0, self.plan.interval))
             if done.returncode != 0:
                 raise ValueError(f"exited with code {done.returncode}: {done.stderr.strip()[:200]}")
-            slots = parse_slots(done.stdout, self.is_this_host)
+            slots = parse_slots(done.stdout)
         except (ValueError, subprocess.TimeoutExpired) as error:
-            self._say(f"host discovery script {self.plan.discovery!r}: {error}; keeping {self.slots} slots")
+            self._say(f"host discovery script {self.plan.discovery!r}: {error}; keeping {self._show(self.slots)}")
             return
+        if self.started and self.master.startswith("127."):  # launched on this host alone
+            for host in [h for h in slots if not self.is_this_host(h)]:
+                if host not in self.refused:
+                    self._say(f"host discovery: {host} left out: the job started on this host alone, so its "
+                              "workers reach the store at a loopback address; list another host from the start")
+                    self.refused.add(host)
+                del slots[host]
         if slots != self.slots:
-            self._say(f"host discovery: {self.slots} -> {slots} slots on this host")
+            self._say(f"host discovery: {self._show(self.slots)} -> {self._show(slots)}")
             self.slots = slots
-            self.lost = 0
+            self.lost = {}
+
+    @staticmethod
+    def _show(slots: dict[str, int]) -> str:
+        return ", ".join(f"{h}:{n}" for h, n in slots.items()) or "no slots"
 
     def _balance(self) -> None:
-        # Every slot the hosts offer, up to --max-np, less those whose worker failed (a failure
-        # does not start a new process in a loop unless --max-restarts allows it).
-        want = max(0, min(self.slots, self.plan.max_np) - self.lost)
-        while len(self.workers) > want:
-            newest = self.workers[-1]
-            self._stop(newest, f"{want} slot(s) left for the job")
-            try:
-                newest.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                newest.proc.kill()
-                newest.proc.wait()
-            self._reap()
+        want = placement(self.slots, self.lost, self.plan.max_np)
+        for worker in reversed(list(self.workers)):  # the newest first
+            host_count = sum(1 for w in self.workers if w.host == worker.host)
+            if host_count > want.get(worker.host, 0):
+                self._stop(worker, f"{want.get(worker.host, 0)} slot(s) left for the job on {worker.host}")
+                self._reap()
         # Newcomers only once the launched workers have formed the job: one started before
         # would take its placeholder rank and size for the launch's.
-        running = self.store.check([_context.elastic_running_key(self.job, 0)])
-        while len(self.workers) < want and not self.finished and running:
-            self._start(newcomer=True)
+        if self.finished or not self.store.check([_context.elastic_running_key(self.job, 0)]):
+            return
+        for host, count in want.items():
+            while sum(1 for w in self.workers if w.host == host) < count:
+                self._start(host, newcomer=True)
 
     # -- the loop ------------------------------------------------------------------------
     def run(self) -> int:
         self._discover()
         deadline = time.monotonic() + self.plan.elastic_timeout
-        while min(self.slots, self.plan.max_np) < self.plan.min_np:
+        while min(sum(self.slots.values()), self.plan.max_np) < self.plan.min_np:
             if time.monotonic() > deadline:
-                self._say(f"the job needs --min-np {self.plan.min_np} workers, and the hosts give {self.slots} "
-                          f"slot(s) after {self.plan.elastic_timeout:g} s (--elastic-timeout)")
+                self._say(f"the job needs --min-np {self.plan.min_np} workers, and the hosts give "
+                          f"{self._show(self.slots)} after {self.plan.elastic_timeout:g} s (--elastic-timeout)")
                 return 1
             time.sleep(self.plan.interval)
             self._discover()
-        self.launched = min(self.plan.initial_np, self.slots, self.plan.max_np)
-        for _ in range(self.launched):
-            self._start(newcomer=False)
+        remote = next((h for h in self.slots if not self.is_this_host(h)), None)
+        if remote is not None:
+            self.master = _ssh.master_address(socket.gethostname(), True, remote)
+        self.launched = placement(self.slots, {}, self.plan.initial_np)
+        for host, count in self.launched.items():
+            for _ in range(count):
+                self._start(host, newcomer=False)
         next_discovery = time.monotonic() + self.plan.interval
         while self.workers:
             time.sleep(0.1)
@@ -249,13 +306,11 @@ class _Driver:
             if len(self.workers) < self.plan.min_np:
                 self.short_since = self.short_since or time.monotonic()
                 if time.monotonic() - self.short_since > self.plan.elastic_timeout:
-                    for worker in self.workers:
+                    for worker in list(self.workers):
                         self._stop(worker, "too few workers")
                     self._say(f"the job failed: {len(self.workers)} worker(s) alive, fewer than --min-np "
                               f"{self.plan.min_np}, for {self.plan.elastic_timeout:g} s (--elastic-timeout); "
                               "add hosts through the discovery script, or lower --min-np")
-                    for worker in self.workers:
-                        worker.proc.wait()
                     return self.first_failure or 1
             else:
                 self.short_since = None
@@ -266,10 +321,16 @@ class _Driver:
 
     def stop_all(self, signum: int) -> None:
         for worker in self.workers:
-            worker.proc.send_signal(signum)
+            if worker.proc.stdin is not None:
+                try:
+                    worker.proc.stdin.close()  # its lifeline: the remote worker stops its command
+                except OSError:
+                    pass
+            else:
+                worker.proc.send_signal(signum)
         for worker in self.workers:
             try:
-                worker.proc.wait(timeout=10)
+                worker.proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 worker.proc.kill()
 

@@ -23,7 +23,7 @@ import torch.distributed.run as torchrun
 from torch.distributed.elastic.agent.server import local_elastic_agent
 
 from .._core import build as _build
-from . import failures as _failures, output as _output, threads as _threads
+from . import failures as _failures, lifeline as _lifeline, output as _output, threads as _threads
 from .._core.settings import Settings
 
 __all__ = ["node_main", "AGENT_GRACE_S"]
@@ -47,25 +47,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rank0-only", action="store_true")
     p.add_argument("command", nargs=argparse.REMAINDER)
     return p
-
-
-def _watch_lifeline() -> None:
-    """Moves stdin aside (ranks get /dev/null); SIGTERM to this process when it closes."""
-    lifeline = os.dup(0)
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.close(devnull)
-
-    def watch() -> None:
-        while True:
-            try:
-                if not os.read(lifeline, 4096):
-                    break
-            except OSError:
-                break
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=watch, daemon=True, name="torchring-lifeline").start()
 
 
 def _capture_rank_processes() -> list[Any]:
@@ -130,7 +111,7 @@ def _start_timeout(env: Mapping[str, str]) -> int:
 def node_main(argv: Sequence[str] | None = None) -> int:
     """One host's part: torch's agent with the static rendezvous; the first failing rank's exit code."""
     args = _parser().parse_args(argv)
-    _watch_lifeline()
+    _lifeline.watch(lambda: os.kill(os.getpid(), signal.SIGTERM))  # torch's agent then stops the ranks
     command = list(args.command[1:] if args.command[:1] == ["--"] else args.command)
     launch_args = [f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}", f"--nproc-per-node={args.nproc}",
                    "--rdzv-backend=static", f"--master-addr={args.master}", f"--master-port={args.port}",

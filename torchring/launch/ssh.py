@@ -46,7 +46,7 @@ from . import output as _output
 from .._core.settings import Settings
 
 __all__ = ["FORWARD_NAMES", "FORWARD_PREFIXES", "NOT_FORWARDED", "plan_hosts", "forwarded_env",
-           "master_address", "node_argv", "remote_command", "ssh_argv", "launch", "launch_args"]
+           "master_address", "node_argv", "remote_command", "ssh_argv", "client_argv", "launch", "launch_args"]
 
 FORWARD_NAMES = ("PATH", "PYTHONPATH", "VIRTUAL_ENV", "CONDA_PREFIX", "LD_LIBRARY_PATH",
                  "LD_PRELOAD", "CUDA_VISIBLE_DEVICES", "CUDA_HOME", "TMPDIR", "LANG", "LC_ALL")
@@ -203,6 +203,13 @@ def _stop(nodes: list[_Node]) -> None:
                 node.proc.send_signal(signal.SIGKILL if waited > STOP_GRACE_S + 10 else signal.SIGTERM)
 
 
+def client_argv(host: str, command: str, *, port: int | None = None, identity: str | None = None) -> list[str]:
+    """ssh_argv() as this launcher's environment asks: TORCHRING_SSH's command, and keepalives
+    that give up on a host silent as long as the ranks would wait (TORCHRING_TIMEOUT)."""
+    ssh = Settings.from_env({"TORCHRING_SSH": os.environ.get("TORCHRING_SSH", "")}).ssh
+    return ssh_argv(host, command, port=port, identity=identity, ssh=ssh, alive_s=_timeout_s(os.environ))
+
+
 def _timeout_s(environ: Mapping[str, str]) -> float:
     """TORCHRING_TIMEOUT in seconds as the ranks read it (its default when malformed: the ranks
     then say what is wrong with it)."""
@@ -228,8 +235,6 @@ def launch(hosts: Sequence[tuple[str, int]], is_this_host: Callable[[str], bool]
     remote = next((h for (h, _), here in zip(hosts, local) if not here), None)
     master, port = master_address(hosts[0][0], local[0], remote), free_port(local[0])
     job, env, cwd = f"{os.getpid():x}{random.getrandbits(32):08x}", forwarded_env(os.environ), os.getcwd()
-    ssh = Settings.from_env({"TORCHRING_SSH": os.environ.get("TORCHRING_SSH", "")}).ssh
-    alive_s = _timeout_s(os.environ)  # a host silent as long as the ranks would wait is lost
     nodes: list[_Node] = []
     stop_signal: list[int] = []
     previous = {s: signal.signal(s, lambda sig, _f: stop_signal.append(sig))
@@ -240,8 +245,7 @@ def launch(hosts: Sequence[tuple[str, int]], is_this_host: Callable[[str], bool]
                              port=port, job=job, monitor_interval=monitor_interval, prefix=prefix,
                              rank0_only=rank0_only, command=command)
             if not here:
-                argv = ssh_argv(host, remote_command(argv, env, cwd), port=ssh_port, identity=ssh_identity,
-                                ssh=ssh, alive_s=alive_s)
+                argv = client_argv(host, remote_command(argv, env, cwd), port=ssh_port, identity=ssh_identity)
             if verbose:
                 print(f"torchring-run: {host}: {shlex.join(argv)}", file=sys.stderr)
             nodes.append(_start(host, argv))

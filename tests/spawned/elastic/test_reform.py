@@ -46,7 +46,7 @@ def test_rank_0_killed_with_the_store_it_served_the_survivors_meet_at_a_standby(
     assert all(r["epoch"] == 1 and r["steps"] == 7 for r in results), [(r["epoch"], r["steps"]) for r in results]
 
 
-def test_a_lost_store_outside_the_workers_moves_at_the_next_commit(tmp_path: Any) -> None:
+def test_a_lost_store_outside_the_workers_moves_at_the_next_commit() -> None:
     # The store runs in a process of its own (as torchrun's agent or a job's store server does)
     # and dies while every rank lives: rank 0's commit finds it gone, and the whole world
     # re-forms through a standby, keeping every rank and every sample.

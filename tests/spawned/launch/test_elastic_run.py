@@ -9,7 +9,7 @@ process (tests/support/_elastic_job.py: exact final weights iff every sample was
 - fewer than --min-np are left: the job fails within the timeouts, saying so, nothing left running.
 
 This file is also the job (``__main__``): ``python this.py OUT HOW``; each worker writes
-``result-<pid>.json`` into OUT when it ends.
+``result-<host>-<pid>.json`` into OUT when it ends.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -90,7 +91,7 @@ def test_discovery_adds_a_worker_that_joins(tmp_path: Path) -> None:
     slots.write_text("localhost:3\n")
     code, output = _finish(proc)
     assert code == 0, output[-4000:]
-    assert "host discovery: 2 -> 3 slots" in output and "started worker w2" in output, output[-4000:]
+    assert "host discovery: localhost:2 -> localhost:3" in output and "started worker w2" in output, output[-4000:]
     _assert_exact(tmp_path, output, 3)
 
 
@@ -103,7 +104,7 @@ def test_discovery_removes_a_worker_and_the_others_re_form(tmp_path: Path) -> No
     slots.write_text("localhost:2\n")
     code, output = _finish(proc)
     assert code == 0, output[-4000:]
-    assert "host discovery: 3 -> 2 slots" in output and "stopping worker w2" in output, output[-4000:]
+    assert "host discovery: localhost:3 -> localhost:2" in output and "stopping worker w2" in output, output[-4000:]
     _assert_exact(tmp_path, output, 2)
 
 
@@ -143,7 +144,9 @@ def main() -> None:
     else:
         victim = 2 if how in ("kill", "wait") else -1
         result = train(rank, victim, 3, how=how, out_dir=out)
-    with open(os.path.join(out, f"result-{os.getpid()}.json"), "w") as f:
+    result["host"] = socket.gethostname()  # where it ran (test_elastic_run_hosts.py checks it)
+    # pids repeat across hosts (each has its own PID namespace): the host is in the name too
+    with open(os.path.join(out, f"result-{result['host']}-{os.getpid()}.json"), "w") as f:
         json.dump(result, f)
 
 
