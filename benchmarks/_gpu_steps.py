@@ -99,7 +99,7 @@ STEPS: list[Step] = [
     Step("build", "the engine with the NCCL path, every core",
          ("-m", "torchring.build"), 300, 60, parse=("-m", "torchring.build", "--help"), dry=("-m", "torchring.build"),
          beside=DEEPSPEED_OP, required=True),
-    Step("tests", "tests/gpu: NCCL at world 1, the staged path at worlds 2-4, wrap, horovod, c10d, failures",
+    Step("tests", "tests/gpu: NCCL at world 1 (and shrunk), staged at worlds 2-4, wrap, horovod, c10d, failures",
          (*TESTS, *_parallel(), "--junitxml", "{work}/gpu-tests.xml"), 150, 60,
          parse=("-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests/gpu")),
     Step("nccl-allreduce", "torchring's NCCL allreduce vs torch.distributed NCCL, world 1, 4 KiB-256 MiB",

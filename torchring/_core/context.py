@@ -62,10 +62,12 @@ def _read_settings(rank: int, timeout: float | None) -> Settings:
     return dataclasses.replace(settings, timeout=timeout)
 
 
-def init(timeout: float | None = None, membership: tuple[int, int, int] | None = None) -> None:
+def init(timeout: float | None = None, membership: tuple[int, int, int] | None = None,
+         shrink_from: tuple[Any, list[int] | None] | None = None) -> None:
     """Joins the job described by the launcher's environment (idempotent); `membership`
     (rank, world size, epoch) replaces the launcher's ranks after an in-process re-forming
-    (torchring.elastic), under the epoch's own store keys."""
+    (torchring.elastic), under the epoch's own store keys, and `shrink_from` is the old NCCL
+    communicator with the old ranks to leave out (gpu_path.setup)."""
     global _state, _last_settings, _generation
     if _state is not None:
         return
@@ -102,7 +104,7 @@ def init(timeout: float | None = None, membership: tuple[int, int, int] | None =
     atexit.register(shutdown)
     try:
         _gpu_path.setup(engine, dist.PrefixStore(prefix, store) if store is not None else None, rank,
-                        world, local_rank, host, settings)
+                        world, local_rank, host, settings, shrink_from)
     except BaseException:
         shutdown()
         raise

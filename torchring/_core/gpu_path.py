@@ -27,6 +27,7 @@ from typing import Any, Sequence
 
 import torch
 
+from . import nccl_shrink as _nccl_shrink
 from .log import logger
 from .settings import DEFAULT_TIMEOUT_S, Settings
 
@@ -74,9 +75,11 @@ def choose_path(wanted: str, cuda_available: bool, nccl_built: bool, gpus: Seque
 
 
 def setup(engine: Any, store: Any, rank: int, world: int, local_rank: int, host: str,
-          settings: Settings) -> None:
+          settings: Settings, shrink_from: tuple[Any, list[int] | None] | None = None) -> None:
     """Chooses the job's GPU path (every rank reaches the same choice) and joins NCCL if used.
-    `store` is this init()'s key space (None for a single rank)."""
+    `store` is this init()'s key space (None for a single rank); `shrink_from` (a re-forming's
+    kept communicator and the old ranks to leave out) is shrunk when every rank can
+    (nccl_shrink.py), else a new communicator is made."""
     global _path, _reason, _comm, _device, _timeout
     teardown()
     _timeout, _device = settings.timeout, None
@@ -95,12 +98,28 @@ def setup(engine: Any, store: Any, rank: int, world: int, local_rank: int, host:
     _path, _reason = choose_path(settings.cuda_path, available, hasattr(engine, "NcclComm"),
                                  gpus, index, rank)
     if _path == "nccl":
-        if world > 1 and rank == 0:
-            store.set("nccl_id", engine.nccl_unique_id())
-        unique_id = store.get("nccl_id") if world > 1 else engine.nccl_unique_id()
-        _comm = engine.NcclComm(rank, world, index, unique_id, settings.timeout)
+        if shrink_from is not None:
+            _comm = _nccl_shrink.shrunk(engine, shrink_from, store, rank, world, index, settings.timeout)
+        if _comm is None:
+            if world > 1 and rank == 0:
+                store.set("nccl_id", engine.nccl_unique_id())
+            unique_id = store.get("nccl_id") if world > 1 else engine.nccl_unique_id()
+            _comm = engine.NcclComm(rank, world, index, unique_id, settings.timeout)
     if rank == 0:
         logger.log(logging.INFO if available else logging.DEBUG, "CUDA tensors take the %s path (%s)", _path, _reason)
+
+
+def keep() -> Any:
+    """teardown() that keeps the NCCL communicator (None if there is none) for a re-forming to
+    shrink (nccl_shrink.py): its collectives in flight are let finish, nothing is freed."""
+    global _comm, _path
+    comm, _comm, _path = _comm, None, "none"
+    if comm is not None:
+        try:
+            comm.drain(_timeout)
+        except Exception:  # it failed: it is marked so, and is not shrunk
+            pass
+    return comm
 
 
 def teardown() -> None:

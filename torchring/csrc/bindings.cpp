@@ -245,6 +245,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<int, int, int, std::string, double>(), py::arg("rank"), py::arg("size"),
            py::arg("device"), py::arg("unique_id"), py::arg("timeout"),
            py::call_guard<py::gil_scoped_release>())
+      .def(py::init<NcclComm&, std::vector<int>, bool, double>(), py::arg("parent"), py::arg("exclude"),
+           py::arg("parent_failed"), py::arg("timeout"), py::call_guard<py::gil_scoped_release>())
+      .def_static("shrink_supported", &NcclComm::shrinkSupported)
+      .def_property_readonly("rank", &NcclComm::rank)
+      .def_property_readonly("size", &NcclComm::size)
+      .def("failed", &NcclComm::failed, py::call_guard<py::gil_scoped_release>())
       .def("allreduce",
            [](NcclComm& c, at::Tensor t, int op, std::shared_ptr<torchring::CpuWork> check) {
              return c.allreduce(t, static_cast<ReduceOp>(op), std::move(check));

@@ -32,7 +32,7 @@ from .._core import context as _context, errors as _errors, log as _log
 from .membership import Epoch, Member, NotAMemberError
 from .sampler import ElasticSampler
 from .state import State
-from .world import DEFAULT_SETTLE_S, WorldChanged, epoch, init, reform, reform_process_group
+from .world import DEFAULT_SETTLE_S, WorldChanged, epoch, finished, init, reform, reform_process_group
 
 __all__ = ["init", "run", "reform", "reform_process_group", "epoch", "Epoch", "Member", "NotAMemberError",
            "State", "ElasticSampler", "WorldChanged", "recover"]
@@ -45,7 +45,8 @@ def recover(state: Any, error: BaseException) -> Epoch:
     and log who is left; the caller then syncs and goes on."""
     state.restore()
     before = _log_rank()
-    joined = reform(settle=DEFAULT_SETTLE_S, gather=gather_after(error))
+    settle, gather = waits_after(error)
+    joined = reform(settle=settle, gather=gather)
     _log.logger.warning("rank %s: %s; the world is re-formed in process as epoch %d: %d ranks, this "
                         "one now rank %d, back at the last commit", before,
                         failure_summary(error),
@@ -53,16 +54,16 @@ def recover(state: Any, error: BaseException) -> Epoch:
     return joined
 
 
-def gather_after(error: BaseException) -> float:
-    """How long a survivor that arrived first waits for the rest before the epoch may close
-    short of its expected size. A dead process is seen by every survivor at once (its
-    connections close): 0, the settle second decides. A silent one (paused, cut off) is seen
-    first by the survivor whose TORCHRING_TIMEOUT runs out; that one asks the board why for up
-    to 2 s (the engine's patience) before it arrives, while the others read its failure on the
-    board within a second and arrive before it: the patience and a second."""
+def waits_after(error: BaseException) -> tuple[float, float]:
+    """(settle, gather) for the epoch after `error` (membership.join). A dead process is seen by
+    every survivor at once (its connections close): the settle second decides. A silent one
+    (paused, cut off) is seen first by the survivor whose TORCHRING_TIMEOUT runs out; the
+    others read its failure on the board within a second and arrive first (gather 1.5 s
+    covers them), while it still asks the board why (up to 2 s): its post there says it lives,
+    so the epoch waits for it, then settles for half a second."""
     text = str(error)
     silent = " s timeout" in text or "stopped waiting for" in text  # the engine's wording
-    return min(2.0, _context.settings().timeout) + 1.0 if silent else 0.0
+    return (0.5, 1.5) if silent else (DEFAULT_SETTLE_S, 0.0)
 
 
 def failure_summary(error: BaseException) -> str:
@@ -84,7 +85,9 @@ def run(func: F) -> F:
         while True:
             try:
                 state.sync()  # inside: a world that fails again while syncing re-forms again
-                return func(state, *args, **kwargs)
+                result = func(state, *args, **kwargs)
+                finished()
+                return result
             except _errors.CommunicatorFailedError as exc:
                 recover(state, exc)
                 state.on_reset()

@@ -14,10 +14,12 @@ order, its own new rank, the new world size.
 
 The epoch closes, once at least `min_size` joiners are there, as soon as `expected` arrived (the
 old world less the members known dead: world.py counts the dead processes on its own host, and
-adds the joiners known to wait), or once no new joiner arrived for `settle` seconds and at
-least `gather` seconds passed since the deciding joiner's own arrival (a lost host's ranks never
-arrive; a silent host's survivors notice up to a few seconds apart, the first when its timeout
-runs out and the rest when they read its failure on the board, so world.py gathers longer then). Members already in a world let waiting processes in at a commit:
+adds the joiners known to wait), or once no new joiner arrived for `settle` seconds, at least
+`gather` seconds passed since the deciding joiner's own arrival, and every old rank that
+`alive()` names has arrived (a lost host's ranks never arrive; a silent host's survivors notice
+up to a few seconds apart: the rest read the first one's failure on the old world's board
+within a second and arrive first, while the first still asks the board why; its post there says
+it lives, so the epoch waits for it, up to `timeout`). Members already in a world let waiting processes in at a commit:
 pending() counts the joiners of the next epoch, and the members join it too, expecting them.
 Joiners 1..n are the epoch's members; a joiner that arrives after the close (a = n + 1, ...) is
 not, and learns so by name. The members' new ranks keep the old
@@ -34,7 +36,7 @@ import dataclasses
 import json
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,7 @@ def pending(store: Any, job: str, epoch: int) -> int:
 
 def join(store: Any, job: str, epoch: int, me: Member, expected: int, min_size: int, settle: float,
          timeout: float, poll: float = 0.01, may_close: bool = True, ended_key: str | None = None,
-         gather: float = 0.0) -> Epoch:
+         gather: float = 0.0, alive: Callable[[], set[int]] | None = None) -> Epoch:
     """Joins `epoch` of `job` and returns it once closed (see the module docstring); raises
     NotAMemberError if it closed before this process arrived, TimeoutError if fewer than
     `min_size` joined within `timeout` seconds (with enough, the settle time decides). A joiner
@@ -119,6 +121,11 @@ def join(store: Any, job: str, epoch: int, me: Member, expected: int, min_size: 
             if count != seen:
                 seen, last_change = count, now
             quiet = now - last_change >= settle and now - start >= gather
+            if quiet and count < expected and alive is not None and now - start < timeout:
+                missing = alive() - {m.old_rank for m in _arrived(store, keys, count)}
+                if missing:  # they live (they said so on the board): wait for them
+                    time.sleep(max(poll, 0.1))
+                    continue
             if count >= min_size and (count >= expected or quiet):
                 closed = _close(store, keys, count)
             elif count < min_size and now - start > timeout:
@@ -133,11 +140,16 @@ def join(store: Any, job: str, epoch: int, me: Member, expected: int, min_size: 
             raise NotAMemberError(
                 f"{me.uid} (rank {me.old_rank} before) reached epoch {epoch} of job {job!r} after it closed "
                 f"with {closed} members; it joins the next epoch, when the world is re-formed again")
-        members = order([Member(**json.loads(store.get(keys + f"member/{a}"))) for a in range(1, closed + 1)])
+        members = order(_arrived(store, keys, closed))
         rank = next(i for i, m in enumerate(members) if m.uid == me.uid)
         if rank == 0:  # one writer: the epoch's rank 0 says it is the newest
             store.set(f"torchring/{job}/elastic/current", str(epoch))
         return Epoch(epoch, tuple(members), rank)
+
+
+def _arrived(store: Any, keys: str, count: int) -> list[Member]:
+    """The first `count` joiners of the epoch under `keys`."""
+    return [Member(**json.loads(store.get(keys + f"member/{a}"))) for a in range(1, count + 1)]
 
 
 def _closed(store: Any, keys: str) -> int | None:

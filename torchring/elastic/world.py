@@ -28,7 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._core import context as _context, env as _env, log as _log, rendezvous as _rendezvous
+from .._core import context as _context, env as _env, gpu_path as _gpu_path, log as _log, \
+    nccl_shrink as _nccl_shrink, rendezvous as _rendezvous
 from ..collectives import basic as _basic
 from . import membership, standby
 from .membership import Epoch, Member, NotAMemberError
@@ -92,7 +93,7 @@ def init(timeout: float | None = None, join_timeout: float = JOIN_TIMEOUT_S) -> 
         standby.arm()
         return Epoch(0, (), _context.rank())
     me = _me(settings, -1)
-    ended = _context.elastic_ended_key(_context.job(settings, launch), launch.restart)
+    ended = _ended_key(launch)
     try:
         joined = membership.join(store, job, membership.current(store, job) + 1, me, expected=0, min_size=1,
                                  settle=DEFAULT_SETTLE_S, timeout=join_timeout, may_close=False, ended_key=ended)
@@ -122,6 +123,8 @@ def reform(min_size: int | None = None, settle: float = DEFAULT_SETTLE_S, timeou
     launch = _env.detect()
     wait = settings.timeout if timeout is None else float(timeout)
     gone = dead_neighbours(*_context.wiring(), old_rank, old_world)
+    alive = _posted(*_context.wiring()[:2], old_world)
+    parent = _gpu_path.keep()  # the NCCL communicator, for the survivors to shrink
     _context.shutdown()
     me = _me(settings, old_rank)
     if old_world == 1 and not joiners:  # alone, and nobody waits: nothing to agree on
@@ -134,17 +137,57 @@ def reform(min_size: int | None = None, settle: float = DEFAULT_SETTLE_S, timeou
             _store = store
             try:
                 return membership.join(store, job, _epoch + 1, me, expected=old_world - gone + joiners,
-                                       min_size=min_size, settle=settle, timeout=wait, gather=gather)
+                                       min_size=min_size, settle=settle, timeout=wait, gather=gather,
+                                       alive=alive)
             except NotAMemberError:
                 # Too late for the survivors' epoch (a slower detection): wait to be let into the next.
                 return membership.join(store, job, _epoch + 2, me, expected=0, min_size=1, settle=settle,
-                                       timeout=JOIN_TIMEOUT_S, may_close=False)
+                                       timeout=JOIN_TIMEOUT_S, may_close=False, ended_key=_ended_key(launch))
 
-        joined = standby.meet(join, launch, wait)
+        try:
+            joined = standby.meet(join, launch, wait)
+        except membership.JobEndedError as e:
+            _log.logger.warning("%s", e)
+            raise SystemExit(0) from None  # the members finished without it: it has nothing left to do
     _epoch = joined.number
-    _context.init(membership=(joined.rank, joined.size, joined.number))
+    exclude = _nccl_shrink.plan(old_world, [m.old_rank for m in joined.members])
+    try:
+        _context.init(membership=(joined.rank, joined.size, joined.number),
+                      shrink_from=(parent, exclude) if parent is not None else None)
+    finally:
+        _nccl_shrink.release(parent, _gpu_path.nccl_comm())
     standby.arm()
     return joined
+
+
+def _posted(store: Any, prefix: str, world: int) -> Any:
+    """A function giving the ranks of the world wired under `prefix` that posted a failure on its
+    board: they live, and the next epoch waits for them (membership.join's `alive`)."""
+    def alive() -> set[int]:
+        if store is None:
+            return set()
+        try:
+            return {r for r in range(world) if store.check([prefix + f"failed/{r}"])}
+        except dist.DistError:  # the store is gone: nothing to go by
+            return set()
+    return alive
+
+
+def _ended_key(launch: _env.Launch) -> str:
+    return _context.elastic_ended_key(_context.job(_context.settings(), launch), launch.restart)
+
+
+def finished() -> None:
+    """Says in the store that this job's members finished (elastic.run calls it when the
+    training function returns): a process still waiting to be let in then ends instead of
+    waiting for members that are gone."""
+    store = _context.wiring()[0] if _context.is_initialized() else None
+    store = store or _store
+    if store is not None:
+        try:
+            store.set(_ended_key(_env.detect()), "1")
+        except dist.DistError:
+            pass  # nobody can be waiting on a store that is gone
 
 
 def joiners_waiting() -> int:

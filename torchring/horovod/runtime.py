@@ -83,17 +83,18 @@ def shutdown() -> None:
     _context.shutdown()
 
 
-def reform(joiners: int = 0, gather: float = 0.0) -> Any:
+def reform(settle: float | None = None, gather: float = 0.0, joiners: int = 0) -> Any:
     """Re-forms the world in process (torchring.elastic.reform: the survivors, and `joiners`
-    waiting processes; `gather` as there) with Horovod's side stopped around it; returns the
-    epoch joined."""
+    waiting processes; `settle` and `gather` as there) with Horovod's side stopped around it;
+    returns the epoch joined."""
     from ..elastic import world as _world  # here: elastic sits below hvd, and only elastic jobs re-form
 
     basics._started = False
     timeline.stop()
     process_sets.stop()
     handles.clear()
-    joined = _world.reform(joiners=joiners, gather=gather)
+    joined = _world.reform(joiners=joiners, gather=gather,
+                           settle=_world.DEFAULT_SETTLE_S if settle is None else settle)
     process_sets_module_start(None)
     basics._started = True
     return joined

@@ -121,6 +121,53 @@ NcclComm::NcclComm(int rank, int size, int device, const std::string& uniqueId, 
   watchdog_ = std::thread([this] { watch(); });
 }
 
+bool NcclComm::shrinkSupported() {
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 27, 0)
+  return true;
+#else
+  return false;
+#endif
+}
+
+NcclComm::NcclComm(NcclComm& parent, const std::vector<int>& exclude, bool parentFailed, double timeoutSec)
+    : rank_(parent.rank_), size_(parent.size_ - static_cast<int>(exclude.size())), device_(parent.device_),
+      timeoutSec_(timeoutSec), stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, parent.device_)) {
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 27, 0)
+  c10::cuda::CUDAGuard guard(device_);
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;  // as at setup: a rank that never comes is timed out, not waited for
+  std::vector<int> excluded(exclude);
+  try {
+    std::lock_guard<std::mutex> lock(mutex_);
+    {
+      std::lock_guard<std::mutex> parentLock(parent.mutex_);
+      if (parent.aborted_ || parent.comm_ == nullptr) {
+        throw CommFailedError("ncclCommShrink: the parent communicator was aborted (" + parent.failure_ +
+                              "); make a new one instead");
+      }
+      ncclResult_t result = ncclCommShrink(parent.comm_, excluded.data(), static_cast<int>(excluded.size()), &comm_,
+                                           &config, parentFailed ? NCCL_SHRINK_ABORT : NCCL_SHRINK_DEFAULT);
+      if (result != ncclSuccess && result != ncclInProgress) check(result, "ncclCommShrink", "re-forming");
+    }
+    waitEnqueued("ncclCommShrink", "re-forming (waiting for every remaining rank to shrink)");
+    check(ncclCommUserRank(comm_, &rank_), "ncclCommUserRank", "re-forming");
+  } catch (...) {
+    if (abortDue_ && comm_ != nullptr) ncclCommAbort(comm_);  // no other thread uses it yet
+    throw;
+  }
+  watchdog_ = std::thread([this] { watch(); });
+#else
+  (void)exclude;
+  (void)parentFailed;
+  throw CommFailedError("ncclCommShrink needs NCCL 2.27 or newer; this build has " + version());
+#endif
+}
+
+bool NcclComm::failed() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return aborted_ || !failure_.empty();
+}
+
 NcclComm::~NcclComm() { close(); }
 
 // Stops the watchdog, then lets NCCL finish the communicator's work and frees it. With work

@@ -74,6 +74,14 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   // Joins the communicator on `device`; setup that makes no progress for `timeoutSec`
   // (a rank that never joins) is aborted with an error instead of hanging.
   NcclComm(int rank, int size, int device, const std::string& uniqueId, double timeoutSec);
+  // The communicator of `parent`'s ranks less `exclude` (parent ranks), made by ncclCommShrink
+  // (NCCL >= 2.27) without a new bootstrap: the survivors of a re-formed world, in their old
+  // order, as torchring.elastic ranks them. Every remaining rank must call it together.
+  // `parentFailed`: the parent saw an error, so NCCL first ends its operations (NCCL_SHRINK_ABORT).
+  // The parent is unusable afterwards: close() it.
+  NcclComm(NcclComm& parent, const std::vector<int>& exclude, bool parentFailed, double timeoutSec);
+  // Whether this build's NCCL has ncclCommShrink.
+  static bool shrinkSupported();
   ~NcclComm();
 
   // Each collective takes `check`, the engine's header check of it (submitCheck), which the
@@ -99,7 +107,10 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   // flight, abort otherwise. Idempotent; the destructor calls it too.
   void close();
   int rank() const { return rank_; }
+  int size() const { return size_; }
   int device() const { return device_; }
+  // Whether the communicator failed (an NCCL error, an abort): it cannot be shrunk then.
+  bool failed();
   double timeout() const { return timeoutSec_; }
 
  private:

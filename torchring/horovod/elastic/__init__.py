@@ -74,7 +74,9 @@ def run(func: F) -> F:
                     state.sync()
                     if state.__dict__.pop("_just_resumed", False):
                         state.on_reset()  # the world may have another size after the restart
-                return func(state, *args, **kwargs)
+                result = func(state, *args, **kwargs)
+                _elastic.finished()  # a process still waiting to be let in ends
+                return result
             except _FAILURES as exc:
                 if not communicator_failed(exc):  # the communicator is usable: the caller's to handle
                     raise
@@ -88,7 +90,7 @@ def run(func: F) -> F:
                         basics.rank(), str(exc).splitlines()[0] if str(exc) else type(exc).__name__, where)
                     raise
                 state.restore()  # in process, as Horovod: restore, re-form, reset, sync
-                joined = runtime.reform(gather=_elastic.gather_after(exc))
+                joined = runtime.reform(*_elastic.waits_after(exc))
                 _log.logger.warning("rank %d: hvd.elastic.run: %s; the world is re-formed in process as "
                                     "epoch %d: %d ranks, back at the last commit", joined.rank,
                                     _elastic.failure_summary(exc),
