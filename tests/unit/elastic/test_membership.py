@@ -23,14 +23,15 @@ def store() -> Any:
 
 def _join_all(store: Any, job: str, members: list[Member], epoch: int = 1, expected: int = 4, min_size: int = 1,
               settle: float = 0.3, timeout: float = 10.0, delays: dict[str, float] | None = None,
-              gather: float = 0.0) -> dict[str, Any]:
+              gather: float = 0.0, alive: Any = None) -> dict[str, Any]:
     results: dict[str, Any] = {}
 
     def one(m: Member) -> None:
         time.sleep((delays or {}).get(m.uid, 0.0))
         client = dist.TCPStore("127.0.0.1", store.port, None, False, timeout=datetime.timedelta(seconds=30))
         try:
-            results[m.uid] = join(client, job, epoch, m, expected, min_size, settle, timeout, gather=gather)
+            results[m.uid] = join(client, job, epoch, m, expected, min_size, settle, timeout, gather=gather,
+                                  alive=alive)
         except Exception as exc:  # the test inspects it
             results[m.uid] = exc
 
@@ -96,6 +97,17 @@ def test_gather_waits_for_a_survivor_that_notices_later(store: Any, gather: floa
         assert [got[f"host:{r}"].rank for r in range(3)] == [0, 1, 2]
     else:
         assert got["host:0"].size == 2 and isinstance(got["host:2"], NotAMemberError), got
+
+
+def test_a_rank_known_alive_is_waited_for_past_the_settle_time(store: Any) -> None:
+    # Old rank 2 posted its failure on the old world's board (it lives) and arrives 1 s late;
+    # rank 3 never posted (the silent one). The epoch waits for 2, not for 3.
+    job = uuid.uuid4().hex
+    start = time.monotonic()
+    got = _join_all(store, job, [_member(0), _member(1), _member(2)], expected=4, settle=0.2,
+                    delays={"host:2": 1.0}, alive=lambda: {0, 1, 2})
+    assert [got[f"host:{r}"].rank for r in range(3)] == [0, 1, 2] and got["host:0"].size == 3, got
+    assert time.monotonic() - start < 5
 
 
 def test_too_few_members_time_out_naming_the_shortfall(store: Any) -> None:
