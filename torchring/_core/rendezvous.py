@@ -69,6 +69,12 @@ def move(launch: _env.Launch, to: dist.Store) -> None:
     _stores[(launch.master_addr, launch.master_port)] = to
 
 
+def failure_board(store: dist.Store, prefix: str) -> dist.Store:
+    """The failure board of the world wired under `prefix`: the engine posts `failed/{rank}`
+    (and `failed/latest`) there, and reads the others' posts."""
+    return dist.PrefixStore(prefix, store)
+
+
 def get(store: dist.Store, key: str, rank: int, what: str, timeout: float) -> bytes:
     """The value of `key`, waiting up to `timeout`; a CommunicatorFailedError naming `what` after that."""
     try:
@@ -167,7 +173,7 @@ def wire(comm: Any, store: dist.Store, prefix: str, rank: int, master_addr: str,
     def info_of(r: int) -> dict:
         return json.loads(get(store, prefix + f"info/{r}", rank, f"rank {r}'s address", timeout))
 
-    comm.set_failure_board(dist.PrefixStore(prefix, store))
+    comm.set_failure_board(failure_board(store, prefix))
     group = groups[comm.host_index]
     if comm.has_shm:
         comm.attach_shm([shm_name if r == rank else info_of(r)["shm"] for r in group])
@@ -187,7 +193,7 @@ def wire(comm: Any, store: dist.Store, prefix: str, rank: int, master_addr: str,
         others = [None if r in mine else info_of(r) for r in range(world)]
         comm.set_p2p_peers([i["addr"] if i else "" for i in others],
                            [int(i["p2p_port"]) if i else -1 for i in others])
-        comm.set_failure_board(dist.PrefixStore(prefix, store),
+        comm.set_failure_board(failure_board(store, prefix),
                                store_where(master_addr, [i or info for i in others]))
 
 

@@ -163,11 +163,13 @@ def reform(min_size: int | None = None, settle: float = DEFAULT_SETTLE_S, timeou
 def _posted(store: Any, prefix: str, world: int) -> Any:
     """A function giving the ranks of the world wired under `prefix` that posted a failure on its
     board: they live, and the next epoch waits for them (membership.join's `alive`)."""
+    board = _rendezvous.failure_board(store, prefix) if store is not None else None
+
     def alive() -> set[int]:
-        if store is None:
+        if board is None:
             return set()
         try:
-            return {r for r in range(world) if store.check([prefix + f"failed/{r}"])}
+            return {r for r in range(world) if board.check([f"failed/{r}"])}
         except dist.DistError:  # the store is gone: nothing to go by
             return set()
     return alive
