@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import glob
 import json
-import shutil
-import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
-from test_launch_ssh import _SSHD_PORT, _keys, _launcher, _ssh_env, _start_sshd
+from test_elastic_run import _finish, _wait_for
+from test_launch_ssh import _SSHD_PORT, _launcher, _ssh_env, sshd_hosts
 
 ROOT = Path(__file__).resolve().parents[3]
 JOB = Path(__file__).resolve().parent / "test_elastic_run.py"
@@ -33,21 +31,7 @@ JOB = Path(__file__).resolve().parent / "test_elastic_run.py"
 @pytest.fixture
 def elastic_hosts(tmp_path: Path):
     """Four simulated hosts sharing tmp_path; sshd in trh1..trh3 (the launcher runs in trh0)."""
-    if not Path("/usr/sbin/sshd").exists() or not shutil.which("ssh-keygen") or not shutil.which("ssh"):
-        pytest.skip("OpenSSH's server and client are not installed (Debian: apt-get install openssh-server)")
-    from _hosts import hosts
-    keys = tmp_path / "keys"
-    _keys(keys)
-    with hosts(4, shared=str(tmp_path)) as hs:
-        daemons = [_start_sshd(h, keys) for h in hs[1:]]
-        try:
-            yield hs, keys
-        finally:
-            for h in hs:
-                h.signal_all(signal.SIGKILL)
-            for sshd in daemons:
-                sshd.kill()
-                sshd.wait(timeout=10)
+    yield from sshd_hosts(tmp_path, 4)
 
 
 def _launch(hs: list, keys: Path, tmp: Path, how: str, slots: str, *flags: str) -> subprocess.Popen:
@@ -58,24 +42,6 @@ def _launch(hs: list, keys: Path, tmp: Path, how: str, slots: str, *flags: str) 
     env = {**_ssh_env(keys), "TORCHRING_TIMEOUT": "10",
            "PYTHONPATH": f"{ROOT / 'tests' / 'support'}:{ROOT}"}
     return hs[0].popen(argv, env=env, cwd=str(tmp), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert proc.poll() is None, f"torchring-run ended early:\n{proc.communicate()[0][-4000:]}"
-        assert time.monotonic() < deadline, f"{path.name} did not appear within {timeout} s"
-        time.sleep(0.1)
-
-
-def _finish(proc: subprocess.Popen, timeout: float = 150) -> tuple[int, str]:
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        output, _ = proc.communicate()
-        raise AssertionError(f"torchring-run did not end within {timeout} s:\n{output[-4000:]}")
-    return proc.returncode, output
 
 
 def _exact(tmp: Path, output: str, size: int, hosts: list[str]) -> None:

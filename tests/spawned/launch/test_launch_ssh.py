@@ -253,25 +253,31 @@ def _job_processes(host: object) -> list[int]:
     return out
 
 
-@pytest.fixture
-def ssh_hosts(tmp_path: Path):
-    """Three simulated hosts sharing tmp_path; sshd in trh1 and trh2 (the launcher runs in trh0)."""
+def sshd_hosts(tmp_path: Path, count: int):
+    """`count` simulated hosts sharing tmp_path, sshd in all but trh0 (where the launcher runs),
+    key login set up; yields (hosts, keys folder); a generator for fixtures."""
     if not Path("/usr/sbin/sshd").exists() or not shutil.which("ssh-keygen") or not shutil.which("ssh"):
         pytest.skip("OpenSSH's server and client are not installed (Debian: apt-get install openssh-server)")
     from _hosts import hosts
     keys = tmp_path / "keys"
     _keys(keys)
-    _job(tmp_path)
-    with hosts(3, shared=str(tmp_path)) as hs:
+    with hosts(count, shared=str(tmp_path)) as hs:
         daemons = [_start_sshd(h, keys) for h in hs[1:]]
         try:
             yield hs, keys
         finally:
-            for h in hs[1:]:
+            for h in hs:
                 h.signal_all(signal.SIGKILL)
             for sshd in daemons:
                 sshd.kill()
                 sshd.wait(timeout=10)
+
+
+@pytest.fixture
+def ssh_hosts(tmp_path: Path):
+    """Three simulated hosts sharing tmp_path; sshd in trh1 and trh2 (the launcher runs in trh0)."""
+    _job(tmp_path)
+    yield from sshd_hosts(tmp_path, 3)
 
 
 def _launch_on(host: object, keys: Path, tmp_path: Path, job_args: list[str], spec: str = "trh1:2,trh0:1",
