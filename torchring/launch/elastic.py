@@ -116,6 +116,18 @@ class _Worker:
     reader: threading.Thread
 
 
+def _signal(worker: _Worker, signum: int) -> None:
+    """`signum` to a worker on this host; for one on another host, its lifeline closed instead
+    (launch/worker.py then gives its command SIGTERM)."""
+    if worker.proc.stdin is None:
+        worker.proc.send_signal(signum)
+        return
+    try:
+        worker.proc.stdin.close()
+    except OSError:
+        pass
+
+
 class _Driver:
     """The supervision loop of one elastic job (see the module docstring)."""
 
@@ -190,13 +202,7 @@ class _Driver:
         """Stops `worker`: SIGTERM here, its lifeline closed on another host; SIGKILL 10 s later."""
         self._say(f"stopping worker w{worker.index} on {worker.host} (pid {worker.proc.pid}): {why}")
         self.stopping.add(worker.index)
-        if worker.proc.stdin is not None:
-            try:
-                worker.proc.stdin.close()
-            except OSError:
-                pass
-        else:
-            worker.proc.terminate()
+        _signal(worker, signal.SIGTERM)
         try:
             worker.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -321,13 +327,7 @@ class _Driver:
 
     def stop_all(self, signum: int) -> None:
         for worker in self.workers:
-            if worker.proc.stdin is not None:
-                try:
-                    worker.proc.stdin.close()  # its lifeline: the remote worker stops its command
-                except OSError:
-                    pass
-            else:
-                worker.proc.send_signal(signum)
+            _signal(worker, signum)
         for worker in self.workers:
             try:
                 worker.proc.wait(timeout=15)
