@@ -96,8 +96,13 @@ void ShmGroup::waitFor(int index, uint32_t target) {
     peer->sleepers.fetch_sub(1, std::memory_order_seq_cst);
     if (reached()) return;
     // A departed peer arrived at every phase it ever will before it set the flag, so the
-    // flag, read after the stamp still falls short, means this wait can never end.
-    if (peer->departed.load(std::memory_order_acquire) != 0 && !reached()) failWaiting(index, "left");
+    // flag, read after the stamp still falls short, means this wait can never end. A peer
+    // that failed aborted the group before it departed (the acquire makes that visible):
+    // its reason, which names the rank really lost, comes first.
+    if (peer->departed.load(std::memory_order_acquire) != 0 && !reached()) {
+      checkAbort();
+      failWaiting(index, "left");
+    }
     if (secondsSince(lastCheck) > kCheckInterval) {
       lastCheck = Clock::now();
       const uint64_t ns = control(opt_.localIndex)->pidNamespace;
