@@ -107,7 +107,7 @@ def test_the_engine_checks_what_its_direct_callers_pass() -> None:
                                   (OpKind.REDUCE_SCATTER, torch.tensor(1.0), 0, -1),
                                   (OpKind.ALLREDUCE, None, 0, -1),
                                   (12, torch.ones(3), 0, -1),
-                                  (OpKind.ALLREDUCE, torch.ones(3), 7, -1)]:
+                                  (OpKind.ALLREDUCE, torch.ones(3), 8, -1)]:
             with pytest.raises(ValueError) as caught:
                 comm.submit(int(kind), t, op, root, True)
             errors.append(str(caught.value).splitlines()[0])
@@ -119,7 +119,7 @@ def test_the_engine_checks_what_its_direct_callers_pass() -> None:
         assert "broadcast: the root must be a rank in [0, 2), got 2" in errors[0], errors
         assert "got -1" in errors[1] and "float32[]: the tensor needs a dim 0" in errors[2], errors
         assert "allreduce needs a tensor" in errors[3] and "unknown collective kind 12" in errors[4], errors
-        assert "unknown reduce op 7" in errors[5] and errors[6] == str([2.0] * 5), errors
+        assert "unknown reduce op 8" in errors[5] and errors[6] == str([2.0] * 5), errors
         assert all(e.startswith(f"rank {rank}:") for e in errors[:4]), errors
 
 
@@ -128,7 +128,8 @@ def test_the_engine_applies_the_dtype_op_rule_of_every_reduction() -> None:
         errors = []
         for kind, dtype, op, scale in [(OpKind.ALLREDUCE, torch.int32, ReduceOp.AVG, 1.0),
                                        (OpKind.REDUCE, torch.bool, ReduceOp.SUM, 1.0),
-                                       (OpKind.ALLREDUCE, torch.int64, ReduceOp.SUM, 0.5)]:
+                                       (OpKind.ALLREDUCE, torch.int64, ReduceOp.SUM, 0.5),
+                                       (OpKind.REDUCE_SCATTER, torch.float32, ReduceOp.BAND, 1.0)]:
             with pytest.raises(ValueError) as caught:
                 submit_op(comm, kind, torch.ones(3, dtype=dtype), op, root=0 if kind.rooted else -1,
                           prescale=scale)
@@ -144,9 +145,10 @@ def test_the_engine_applies_the_dtype_op_rule_of_every_reduction() -> None:
 
     for rank, errors in enumerate(run_world(2, job)):
         assert errors[0].startswith(f"rank {rank}: allreduce of int32[3]: AVG needs a floating-point"), errors
-        assert "reduce of bool[3]: bool tensors reduce with MIN and MAX only" in errors[1], errors
+        assert "reduce of bool[3]: bool tensors reduce with MIN, MAX, BAND, BOR and BXOR only" in errors[1], errors
         assert "allreduce of int64[3]: prescale and postscale factors need a floating-point" in errors[2], errors
-        assert errors[3] == "[False, False] True", errors
+        assert "reduce_scatter of float32[3]: BAND, BOR and BXOR need an integer or bool tensor" in errors[3], errors
+        assert errors[4] == "[False, False] True", errors
 
 
 class _UnreachableStore(dist.Store):

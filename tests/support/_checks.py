@@ -4,7 +4,8 @@ Every rank can build every other rank's input, so each rank checks its own resul
 reference computed locally with plain torch ops (``torch.stack(...).sum(0)`` and friends).
 Inputs are small integers, distinct per rank and per element, chosen so that every dtype and op
 is exact: |x| <= 15 for SUM/MIN/MAX (sum of 4 ranks fits int8), x in {-1, 1, 2} ({1, 2} for
-unsigned) for PRODUCT, and AVG inputs are multiples of the world size so the mean is an integer.
+unsigned) for PRODUCT, AVG inputs are multiples of the world size so the mean is an integer, and
+BAND/BOR/BXOR inputs are hashed bit patterns that fill every bit of the dtype (negatives included).
 """
 
 from __future__ import annotations
@@ -16,13 +17,17 @@ FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 INT_DTYPES = [torch.int8, torch.uint8, torch.int32, torch.int64]
 DTYPES = FLOAT_DTYPES + INT_DTYPES
 OPS = ["SUM", "AVG", "MIN", "MAX", "PRODUCT"]
+BITWISE = ["BAND", "BOR", "BXOR"]
 
 
 def valid_ops(dtype: torch.dtype) -> list[str]:
-    """Ops torchring supports for ``dtype``: bool only MIN/MAX, AVG only for floats."""
+    """Ops torchring supports for ``dtype``: bool MIN/MAX and the bitwise ops, AVG only for
+    floats, the bitwise ops only for integers and bool."""
     if dtype == torch.bool:
-        return ["MIN", "MAX"]
-    return OPS if dtype.is_floating_point else [op for op in OPS if op != "AVG"]
+        return ["MIN", "MAX"] + BITWISE
+    if dtype.is_floating_point:
+        return OPS
+    return [op for op in OPS if op != "AVG"] + BITWISE
 
 
 def rank_input(rank: int, world: int, numel: int, dtype: torch.dtype, op: str = "SUM",
@@ -33,6 +38,9 @@ def rank_input(rank: int, world: int, numel: int, dtype: torch.dtype, op: str = 
     h = i * 7 + (i >> 5) * 11 + (i >> 10) * 5 + rank * 13
     if dtype == torch.bool:
         x = (h % (rank + 2)) == 0
+    elif op in BITWISE:  # every bit of the dtype: .to() keeps the low bits of the int64
+        x = (h * 2654435761 + rank * 40503) % (1 << 40) - (1 << 39)
+        x = x.to(dtype) if dtype != torch.int64 else x * 4099 + (h << 52)
     elif op == "PRODUCT":
         choices = torch.tensor([1, 2, -1] if dtype != torch.uint8 else [1, 2, 2])
         x = choices[(i // (rank + 1) + i // 7 + rank) % 3]
@@ -44,8 +52,15 @@ def rank_input(rank: int, world: int, numel: int, dtype: torch.dtype, op: str = 
 
 
 def reference(inputs: list[torch.Tensor], op: str) -> torch.Tensor:
-    """Reduce the ranks' inputs in one process, in float64 (exact here), cast back."""
+    """Reduce the ranks' inputs in one process, in float64 (exact here), cast back; the bitwise
+    ops in the inputs' own dtype."""
     dtype = inputs[0].dtype
+    if op in BITWISE:
+        fold = {"BAND": torch.bitwise_and, "BOR": torch.bitwise_or, "BXOR": torch.bitwise_xor}[op]
+        out = inputs[0].clone()
+        for t in inputs[1:]:
+            out = fold(out, t)
+        return out
     x = torch.stack([t.to(torch.float64) for t in inputs])
     if op == "SUM":
         out = x.sum(0)

@@ -17,13 +17,21 @@ __all__ = ["ReduceOp", "Handle"]
 
 
 class ReduceOp(enum.IntEnum):
-    """How allreduce and reduce_scatter combine the ranks' values."""
+    """How allreduce and reduce_scatter combine the ranks' values (BAND, BOR, BXOR: integer and bool only)."""
 
     SUM = 0
     AVG = 1
     MIN = 2
     MAX = 3
     PRODUCT = 4
+    BAND = 5
+    BOR = 6
+    BXOR = 7
+
+    @property
+    def bitwise(self) -> bool:
+        """BAND, BOR or BXOR: combines the bits of integer and bool tensors."""
+        return self in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
 
 
 class OpKind(enum.IntEnum):
@@ -114,13 +122,16 @@ FLOATS: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.float16, 
 def reduction_refusal(kind: OpKind, dtype: torch.dtype, op: ReduceOp | None, scaled: bool) -> str | None:
     """The dtype x op rule of every reduction (the engine's reductionRefusal, common.cpp): which
     rule a `kind` collective of `dtype` reducing with `op` (None: not in question), `scaled`
-    by factors other than 1, breaks: "bool" (bool reduces with MIN and MAX only), "avg" (AVG
-    needs a floating dtype), "scale" (so do the factors); None when it breaks none."""
+    by factors other than 1, breaks: "bool" (bool reduces with MIN, MAX, BAND, BOR and BXOR
+    only), "bitwise" (BAND, BOR and BXOR need an integer or bool dtype), "avg" (AVG needs a
+    floating dtype), "scale" (so do the factors); None when it breaks none."""
     if not OP_SPECS[kind].reduces:
         return None
     floating = dtype in FLOATS
-    if op is not None and dtype == torch.bool and op not in (ReduceOp.MIN, ReduceOp.MAX):
+    if op is not None and dtype == torch.bool and op not in (ReduceOp.MIN, ReduceOp.MAX) and not op.bitwise:
         return "bool"
+    if op is not None and op.bitwise and floating:
+        return "bitwise"
     if op == ReduceOp.AVG and not floating:
         return "avg"
     if scaled and not floating:

@@ -55,8 +55,11 @@ def check_op(kind: OpKind, t: torch.Tensor, op: Any, what: str, tg: Target) -> R
         raise TypeError(f"{where}: op must be a torchring.ReduceOp, got {op!r}")
     refusal = reduction_refusal(kind, t.dtype, op, scaled=False)
     if refusal == "bool":
-        raise TypeError(f"{where}: bool tensors support ReduceOp.MIN and MAX only, got {op.name}; "
-                        "convert to an integer dtype to sum or multiply")
+        raise TypeError(f"{where}: bool tensors support ReduceOp.MIN, MAX, BAND, BOR and BXOR only, got "
+                        f"{op.name}; convert to an integer dtype to sum or multiply")
+    if refusal == "bitwise":
+        raise TypeError(f"{where}: ReduceOp.{op.name} needs an integer or bool tensor, got {describe(t)}; "
+                        "view it as an integer dtype of the same size, or use another op")
     if refusal == "avg":
         raise ValueError(f"{where}: ReduceOp.AVG needs a floating-point tensor, got {describe(t)}; "
                          "use SUM and divide, or convert to float")

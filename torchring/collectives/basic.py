@@ -96,10 +96,12 @@ def _staged(kind: OpKind, t: torch.Tensor, op: int, root: int, inline: bool, wha
     return Handle(_submit(kind, host, op, root, inline, what, tg, **kw), back)
 
 
-def nccl_runs(kind: OpKind, dtype: torch.dtype, is_world: bool, extra: bool) -> bool:
+def nccl_runs(kind: OpKind, dtype: torch.dtype, is_world: bool, extra: bool, op: int = ReduceOp.SUM) -> bool:
     """True when the NCCL path (once chosen) runs this CUDA collective: the world's four NCCL
-    kinds without extra arguments (factors, out=, uneven rows), in a dtype NCCL has (not int16)."""
-    return is_world and kind.nccl and not extra and dtype != torch.int16
+    kinds without extra arguments (factors, out=, uneven rows), in a dtype NCCL has (not int16),
+    reducing with an op NCCL has (not BAND, BOR or BXOR)."""
+    bitwise = kind.reduces and ReduceOp(op).bitwise
+    return is_world and kind.nccl and not extra and dtype != torch.int16 and not bitwise
 
 
 def _run(kind: OpKind, t: torch.Tensor, op: int, root: int, inline: bool, what: str, tg: Target,
@@ -108,7 +110,7 @@ def _run(kind: OpKind, t: torch.Tensor, op: int, root: int, inline: bool, what: 
     for `nccl` calls of the world's four NCCL kinds without extra keywords)."""
     if not t.is_cuda:
         return Handle(_submit(kind, t, op, root, inline, what, tg, **kw))
-    if nccl and _gpu_path.path() == "nccl" and nccl_runs(kind, t.dtype, tg.is_world, bool(kw)):
+    if nccl and _gpu_path.path() == "nccl" and nccl_runs(kind, t.dtype, tg.is_world, bool(kw), op):
         return _nccl(kind, t, op, root, what)
     return _staged(kind, t, op, root, inline, what, tg, **kw)
 

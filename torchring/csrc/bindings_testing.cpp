@@ -31,7 +31,7 @@ void reduceTensors(at::Tensor dst, const std::vector<at::Tensor>& srcs, int op, 
   }
   TORCH_CHECK(dst.is_contiguous() && dst.device().is_cpu(), "reduce_tensors: dst must be a contiguous CPU tensor");
   TORCH_CHECK(op >= 0 && op < kNumReduceOps && op != static_cast<int>(ReduceOp::AVG),
-              "reduce_tensors: op must be SUM, MIN, MAX or PRODUCT (AVG is SUM with scale), got ", op);
+              "reduce_tensors: op must be SUM, MIN, MAX, PRODUCT, BAND, BOR or BXOR (AVG is SUM with scale), got ", op);
   reduceInto(dst.data_ptr(), nullptr, ptrs.data(), static_cast<int>(ptrs.size()),
              static_cast<size_t>(dst.numel()), toDType(dst.scalar_type()), static_cast<ReduceOp>(op), scale);
 }

@@ -128,5 +128,8 @@ def test_nccl_runs_what_nccl_has_and_stages_the_rest() -> None:
         assert not collectives.nccl_runs(kind, torch.int16, True, False), "NCCL has no int16"
         assert not collectives.nccl_runs(kind, torch.float32, False, False), "groups are staged"
         assert not collectives.nccl_runs(kind, torch.float32, True, True), "factors, out=: staged"
+        for op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR):  # NCCL has no bitwise reduction
+            assert collectives.nccl_runs(kind, torch.int32, True, False, op) == (not kind.reduces), (kind, op)
+        assert collectives.nccl_runs(kind, torch.int32, True, False, ReduceOp.MAX)
     for kind in (OpKind.REDUCE, OpKind.GATHER, OpKind.SCATTER, OpKind.ALLTOALL, OpKind.ALLREDUCE_MANY):
         assert not collectives.nccl_runs(kind, torch.float32, True, False)

@@ -14,7 +14,7 @@ from torchring._core import types as _types
 ENGINE_OP_KINDS = {"ALLREDUCE": 0, "BROADCAST": 1, "ALLGATHER": 2, "REDUCE_SCATTER": 3, "BARRIER": 4,
                    "REDUCE": 5, "GATHER": 6, "SCATTER": 7, "ALLTOALL": 8, "ALLREDUCE_MANY": 9,
                    "SEND": 10, "RECV": 11}
-ENGINE_REDUCE_OPS = {"SUM": 0, "AVG": 1, "MIN": 2, "MAX": 3, "PRODUCT": 4}
+ENGINE_REDUCE_OPS = {"SUM": 0, "AVG": 1, "MIN": 2, "MAX": 3, "PRODUCT": 4, "BAND": 5, "BOR": 6, "BXOR": 7}
 ENGINE_DTYPES = ["float32", "float64", "float16", "bfloat16", "int8", "uint8", "int32", "int64", "bool",
                  "int16"]
 # The engine's OpSpec rows (csrc/core/common.cpp), as bindings.cpp publishes them.
@@ -55,7 +55,8 @@ def test_an_older_engine_without_the_attributes_is_not_checked() -> None:
 
 @pytest.mark.parametrize("attr,theirs", [
     ("REDUCE_OPS", {**ENGINE_REDUCE_OPS, "PRODUCT": 5}),
-    ("REDUCE_OPS", {**ENGINE_REDUCE_OPS, "BAND": 5}),
+    ("REDUCE_OPS", {**ENGINE_REDUCE_OPS, "BAND": 7}),
+    ("REDUCE_OPS", {k: v for k, v in ENGINE_REDUCE_OPS.items() if k != "BXOR"}),
     ("OP_KINDS", {k: v for k, v in ENGINE_OP_KINDS.items() if k != "BARRIER"}),
     ("OP_KINDS", {**ENGINE_OP_KINDS, "ALLGATHER": 3, "REDUCE_SCATTER": 2}),
     ("OP_SPECS", {**ENGINE_OP_SPECS, "ALLTOALL": {**ENGINE_OP_SPECS["ALLTOALL"], "nccl": True}}),
@@ -78,6 +79,10 @@ def test_op_kind_properties_read_the_table(field: str) -> None:
     (_types.OpKind.ALLREDUCE, torch.bool, _types.ReduceOp.SUM, False, "bool"),
     (_types.OpKind.REDUCE, torch.bool, _types.ReduceOp.AVG, False, "bool"),  # bool's rule first
     (_types.OpKind.ALLREDUCE, torch.bool, _types.ReduceOp.MAX, False, None),
+    (_types.OpKind.ALLREDUCE, torch.bool, _types.ReduceOp.BXOR, False, None),
+    (_types.OpKind.REDUCE, torch.int8, _types.ReduceOp.BAND, False, None),
+    (_types.OpKind.ALLREDUCE, torch.bfloat16, _types.ReduceOp.BOR, False, "bitwise"),
+    (_types.OpKind.REDUCE_SCATTER, torch.float64, _types.ReduceOp.BXOR, False, "bitwise"),
     (_types.OpKind.REDUCE_SCATTER, torch.int64, _types.ReduceOp.AVG, False, "avg"),
     (_types.OpKind.ALLREDUCE_MANY, torch.bfloat16, _types.ReduceOp.AVG, False, None),
     (_types.OpKind.ALLREDUCE, torch.int32, _types.ReduceOp.SUM, True, "scale"),

@@ -10,7 +10,7 @@ import torch
 from torchring._core import build as _build
 
 ENGINE = _build.load()
-OPS = {"SUM": 0, "MIN": 2, "MAX": 3, "PRODUCT": 4}
+OPS = {"SUM": 0, "MIN": 2, "MAX": 3, "PRODUCT": 4, "BAND": 5, "BOR": 6, "BXOR": 7}
 SIZES = [1, 511, 512, 513, 2000]  # the kernels walk blocks of 512 elements
 
 
@@ -20,8 +20,8 @@ def _reference(srcs: list[torch.Tensor], op: str, scale: float = 1.0) -> torch.T
     acc = srcs[0].to(acc_dtype)
     for s in srcs[1:]:
         s = s.to(acc_dtype)
-        acc = {"SUM": torch.add, "PRODUCT": torch.mul, "MIN": torch.minimum,
-               "MAX": torch.maximum}[op](acc, s)
+        acc = {"SUM": torch.add, "PRODUCT": torch.mul, "MIN": torch.minimum, "MAX": torch.maximum,
+               "BAND": torch.bitwise_and, "BOR": torch.bitwise_or, "BXOR": torch.bitwise_xor}[op](acc, s)
     if scale != 1.0:
         acc = acc * scale
     return acc.to(srcs[0].dtype)
@@ -34,7 +34,8 @@ def _run(srcs: list[torch.Tensor], op: str, scale: float = 1.0) -> torch.Tensor:
 
 
 def test_engine_enums_match_their_python_mirror() -> None:
-    assert ENGINE.REDUCE_OPS == {"SUM": 0, "AVG": 1, "MIN": 2, "MAX": 3, "PRODUCT": 4}
+    assert ENGINE.REDUCE_OPS == {"SUM": 0, "AVG": 1, "MIN": 2, "MAX": 3, "PRODUCT": 4, "BAND": 5, "BOR": 6,
+                                 "BXOR": 7}
     assert ENGINE.DTYPES == ["float32", "float64", "float16", "bfloat16", "int8", "uint8",
                              "int32", "int64", "bool", "int16"]
 
@@ -51,11 +52,25 @@ def test_exact_dtypes(dtype: torch.dtype, op: str) -> None:
             assert torch.equal(_run(srcs, op), _reference(srcs, op)), (dtype, op, n, nsrc)
 
 
-@pytest.mark.parametrize("op", ["MIN", "MAX"])
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64])
+@pytest.mark.parametrize("op", ["BAND", "BOR", "BXOR"])
+def test_bitwise_every_bit(dtype: torch.dtype, op: str) -> None:
+    gen = torch.Generator().manual_seed(11)
+    info = torch.iinfo(dtype)
+    for n in SIZES:
+        for nsrc in (1, 2, 3, 5):  # the full range of the dtype: sign bits and high bits too
+            srcs = [torch.randint(info.min, info.max, (n,), generator=gen, dtype=torch.int64).to(dtype)
+                    for _ in range(nsrc)]
+            assert torch.equal(_run(srcs, op), _reference(srcs, op)), (dtype, op, n, nsrc)
+
+
+@pytest.mark.parametrize("op", ["MIN", "MAX", "BAND", "BOR", "BXOR"])
 def test_bool(op: str) -> None:
     srcs = [torch.tensor([True, False, True, False]), torch.tensor([True, True, False, False])]
-    want = srcs[0] & srcs[1] if op == "MIN" else srcs[0] | srcs[1]
-    assert torch.equal(_run(srcs, op), want)
+    want = {"MIN": srcs[0] & srcs[1], "MAX": srcs[0] | srcs[1], "BAND": srcs[0] & srcs[1],
+            "BOR": srcs[0] | srcs[1], "BXOR": srcs[0] ^ srcs[1]}[op]
+    got = _run(srcs, op)
+    assert torch.equal(got, want) and got.view(torch.uint8).max() <= 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -100,6 +100,12 @@ std::pair<ReduceOp, double> C10dBackend::reduceOp(const c10d::ReduceOp& op, cons
       return {ReduceOp::MAX, 1.0};
     case c10d::ReduceOp::PRODUCT:
       return {ReduceOp::PRODUCT, 1.0};
+    case c10d::ReduceOp::BAND:
+      return {ReduceOp::BAND, 1.0};
+    case c10d::ReduceOp::BOR:
+      return {ReduceOp::BOR, 1.0};
+    case c10d::ReduceOp::BXOR:
+      return {ReduceOp::BXOR, 1.0};
     case c10d::ReduceOp::PREMUL_SUM: {
       auto* factor = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
       TORCH_CHECK_VALUE(factor != nullptr, where(what), ": PREMUL_SUM without its factor");
@@ -112,8 +118,8 @@ std::pair<ReduceOp, double> C10dBackend::reduceOp(const c10d::ReduceOp& op, cons
     }
     default:
       TORCH_CHECK_VALUE(false, where(what), ": reduce op ", static_cast<int>(op.op_),
-                        " (BAND, BOR or BXOR) is not supported by torchring; it reduces with SUM, AVG, "
-                        "MIN, MAX, PRODUCT and PREMUL_SUM");
+                        " is not supported by torchring; it reduces with SUM, AVG, MIN, MAX, PRODUCT, "
+                        "BAND, BOR, BXOR and PREMUL_SUM");
   }
 }
 

@@ -50,9 +50,10 @@ const char* dtypeName(DType dtype) {
 }
 
 const char* opName(ReduceOp op) {
-  static const char* kNames[] = {"SUM", "AVG", "MIN", "MAX", "PRODUCT"};
+  static const char* kNames[] = {"SUM", "AVG", "MIN", "MAX", "PRODUCT", "BAND", "BOR", "BXOR"};
+  static_assert(sizeof(kNames) / sizeof(kNames[0]) == kNumReduceOps, "one name per ReduceOp");
   auto i = static_cast<size_t>(op);
-  return i < 5 ? kNames[i] : "unknown-op";
+  return i < static_cast<size_t>(kNumReduceOps) ? kNames[i] : "unknown-op";
 }
 
 // One row per OpKind, in its order.
@@ -85,9 +86,12 @@ bool isFloating(DType dtype) {
   return dtype == DType::F32 || dtype == DType::F64 || dtype == DType::F16 || dtype == DType::BF16;
 }
 
+bool isBitwise(ReduceOp op) { return op == ReduceOp::BAND || op == ReduceOp::BOR || op == ReduceOp::BXOR; }
+
 Refusal reductionRefusal(OpKind kind, DType dtype, ReduceOp op, bool scaled) {
   if (!opSpec(kind).reduces) return Refusal::NONE;
-  if (dtype == DType::BOOL && op != ReduceOp::MIN && op != ReduceOp::MAX) return Refusal::BOOL_OP;
+  if (dtype == DType::BOOL && op != ReduceOp::MIN && op != ReduceOp::MAX && !isBitwise(op)) return Refusal::BOOL_OP;
+  if (isBitwise(op) && isFloating(dtype)) return Refusal::BITWISE_FLOAT;
   if (op == ReduceOp::AVG && !isFloating(dtype)) return Refusal::AVG_INTEGER;
   if (scaled && !isFloating(dtype)) return Refusal::SCALED_INTEGER;
   return Refusal::NONE;
@@ -98,7 +102,11 @@ const char* refusalText(Refusal refusal) {
     case Refusal::NONE:
       return "";
     case Refusal::BOOL_OP:
-      return "bool tensors reduce with MIN and MAX only; convert to an integer dtype to sum or multiply";
+      return "bool tensors reduce with MIN, MAX, BAND, BOR and BXOR only; convert to an integer dtype to sum or "
+             "multiply";
+    case Refusal::BITWISE_FLOAT:
+      return "BAND, BOR and BXOR need an integer or bool tensor (bits of a floating-point number are not a "
+             "number torch combines bitwise); view it as an integer dtype of the same size, or use another op";
     case Refusal::AVG_INTEGER:
       return "AVG needs a floating-point tensor (an integer average would be rounded); use SUM and divide, or "
              "convert to float";

@@ -71,20 +71,22 @@ class WaitTimeoutError : public TorchringError {
 
 // Python's torchring._core.types mirrors these three; it checks them against the names and values
 // bindings.cpp publishes (REDUCE_OPS, DTYPES, OP_KINDS) when the engine loads.
-enum class ReduceOp : uint8_t { SUM = 0, AVG = 1, MIN = 2, MAX = 3, PRODUCT = 4 };
+// BAND, BOR and BXOR are bitwise: integer and bool tensors only (Refusal::BITWISE_FLOAT).
+enum class ReduceOp : uint8_t { SUM = 0, AVG = 1, MIN = 2, MAX = 3, PRODUCT = 4, BAND = 5, BOR = 6, BXOR = 7 };
 enum class DType : uint8_t { F32 = 0, F64, F16, BF16, I8, U8, I32, I64, BOOL, I16 };
 // SEND and RECV name point-to-point Works (p2p.h); they never enter the ordered queue.
 enum class OpKind : uint8_t {
   ALLREDUCE = 0, BROADCAST, ALLGATHER, REDUCE_SCATTER, BARRIER,
   REDUCE, GATHER, SCATTER, ALLTOALL, ALLREDUCE_MANY, SEND, RECV
 };
-constexpr int kNumReduceOps = 5, kNumDTypes = 10, kNumOpKinds = 12;
+constexpr int kNumReduceOps = 8, kNumDTypes = 10, kNumOpKinds = 12;
 
 size_t elementSize(DType dtype);
 const char* dtypeName(DType dtype);
 const char* opName(ReduceOp op);
 const char* kindName(OpKind kind);
 bool isFloating(DType dtype);
+bool isBitwise(ReduceOp op);
 
 // What a kind of collective is: one row per OpKind (kOpSpecs, common.cpp), read by the checks
 // (Communicator::checkArgs, plainAllreduceArgs, the c10d backend), the header comparison
@@ -106,7 +108,8 @@ const OpSpec& opSpec(OpKind kind);
 // than 1, breaks; NONE for a kind that does not reduce.
 enum class Refusal : uint8_t {
   NONE,
-  BOOL_OP,         // bool reduces with MIN and MAX only
+  BOOL_OP,         // bool reduces with MIN, MAX, BAND, BOR and BXOR only
+  BITWISE_FLOAT,   // BAND, BOR and BXOR need an integer or bool dtype
   AVG_INTEGER,     // AVG needs a floating dtype
   SCALED_INTEGER,  // so do prescale and postscale factors
 };

@@ -17,6 +17,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
 #if (defined(__F16C__) && defined(__AVX2__)) || (defined(__AVX512BF16__) && defined(__AVX512F__))
@@ -181,6 +182,22 @@ struct Max {
   static inline A apply(A a, A b) { return (a < b || b != b) ? b : a; }
 };
 
+// BAND, BOR and BXOR: integer types only (reduceTyped never instantiates them for a float;
+// reductionRefusal keeps floating dtypes away). bool is stored as uint8 0/1, which the three
+// keep 0/1.
+struct BitAnd {
+  template <typename A>
+  static inline A apply(A a, A b) { return a & b; }
+};
+struct BitOr {
+  template <typename A>
+  static inline A apply(A a, A b) { return a | b; }
+};
+struct BitXor {
+  template <typename A>
+  static inline A apply(A a, A b) { return a ^ b; }
+};
+
 // Where in `space` (a page longer than needed) the accumulator starts: the multiple of 256
 // bytes whose page offset is farthest from those of every stream the kernel loads or stores
 // (farthestPageShift). A load of src[i] right after the store to acc[i] stalls when the two
@@ -246,6 +263,15 @@ void reduceTyped(void* dst, void* dst2, const void* const* srcs, int nsrc, size_
       return reduceBlocks<T, Min>(d, d2, s, nsrc, count, scale, stream);
     case ReduceOp::MAX:
       return reduceBlocks<T, Max>(d, d2, s, nsrc, count, scale, stream);
+    case ReduceOp::BAND:
+    case ReduceOp::BOR:
+    case ReduceOp::BXOR:
+      if constexpr (std::is_integral_v<T>) {
+        if (op == ReduceOp::BAND) return reduceBlocks<T, BitAnd>(d, d2, s, nsrc, count, scale, stream);
+        if (op == ReduceOp::BOR) return reduceBlocks<T, BitOr>(d, d2, s, nsrc, count, scale, stream);
+        return reduceBlocks<T, BitXor>(d, d2, s, nsrc, count, scale, stream);
+      }
+      TORCH_INTERNAL_ASSERT(false, "reduceInto: ", opName(op), " of a floating-point dtype (reductionRefusal refuses it)");
   }
 }
 
@@ -269,6 +295,8 @@ void reduceTypedToFloat(float* dst, const void* const* srcs, int nsrc, size_t co
     case ReduceOp::PRODUCT: return reduceBlocksToFloat<T, Prod>(dst, s, nsrc, count);
     case ReduceOp::MIN: return reduceBlocksToFloat<T, Min>(dst, s, nsrc, count);
     case ReduceOp::MAX: return reduceBlocksToFloat<T, Max>(dst, s, nsrc, count);
+    default:  // bitwise: reductionRefusal keeps 16-bit floats away
+      TORCH_INTERNAL_ASSERT(false, "reduceToFloat: ", opName(op), " of a 16-bit float dtype");
   }
 }
 

@@ -36,6 +36,8 @@ ncclRedOp_t ncclOp(ReduceOp op) {
     case ReduceOp::MIN: return ncclMin;
     case ReduceOp::MAX: return ncclMax;
     case ReduceOp::AVG: return ncclAvg;
+    default:  // NCCL has no bitwise ops: collectives/basic.py's nccl_runs stages BAND, BOR and BXOR
+      TORCH_INTERNAL_ASSERT(false, "NCCL path: no NCCL reduction for ", opName(op));
   }
   return ncclSum;
 }
