@@ -226,6 +226,14 @@ class Handle:
         """True once the operation finished, successfully or not (wait() tells which)."""
         return self._done or self.work.is_completed()
 
+    def source_rank(self) -> int:
+        """A recv's sender (for ``src=None``: the rank whose message it took), once wait() returned."""
+        source = getattr(self.work, "source", -1)
+        if not self._done or source < 0:
+            raise RuntimeError(f"torchring.Handle #{self.work.seq}: source_rank() is known for a recv once "
+                               "wait() returned; this handle is not a completed recv")
+        return int(source)
+
     def __repr__(self) -> str:
         state = "completed" if self.is_completed() else "pending"
         return f"<torchring.Handle #{self.work.seq} {state}>"

@@ -162,12 +162,12 @@ class Group(_groups.GroupBase):
         """torchring.isend on this group (`dst` a group rank)."""
         return p2p.isend(tensor, dst, tag, self)
 
-    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
-        """torchring.recv on this group (`src` a group rank)."""
+    def recv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> torch.Tensor:
+        """torchring.recv on this group (`src` a group rank, None: any)."""
         return p2p.recv(tensor, src, tag, self)
 
-    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Handle:
-        """torchring.irecv on this group (`src` a group rank)."""
+    def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Handle:
+        """torchring.irecv on this group (`src` a group rank, None: any)."""
         return p2p.irecv(tensor, src, tag, self)
 
 

@@ -7,6 +7,10 @@ one. Within a host the bytes go through shared memory, across hosts over a direc
 connection opened on first use. A send completes once the peer's recv took it; a peer that
 never posts the matching call fails the group's communicator after the timeout. CUDA tensors
 go through a host copy. `dst`/`src` are ranks of the group (the world's for ``group=None``).
+
+``src=None`` receives from any source, as MPI_ANY_SOURCE: the first message of `tag` from any
+rank (the earliest arrived one when several wait), each rank's messages still in the order
+sent; the Handle's ``source_rank()`` names the sender once it completed.
 """
 
 from __future__ import annotations
@@ -45,10 +49,13 @@ def _send(tensor: torch.Tensor, dst: int, tag: int, group: GroupBase | None, wha
     return Handle(tg.comm.send(_host(t), dst, tag), lambda _: None)
 
 
-def _recv(tensor: torch.Tensor, src: int, tag: int, group: GroupBase | None, what: str) -> Handle:
+ANY_SOURCE = -1  # the engine's P2P::kAnySource
+
+
+def _recv(tensor: torch.Tensor, src: int | None, tag: int, group: GroupBase | None, what: str) -> Handle:
     tg = target(group, what)
     t = _checks.check_tensor(tensor, what, tg)
-    src = _check_peer(src, "src", what, tg)
+    src = ANY_SOURCE if src is None else _check_peer(src, "src", what, tg)
     tag = _check_tag(tag, what, tg)
     if not t.is_cuda:
         return Handle(tg.comm.recv(t, src, tag))
@@ -69,12 +76,13 @@ def send(tensor: torch.Tensor, dst: int, tag: int = 0, group: GroupBase | None =
 
 
 @profiled
-def irecv(tensor: torch.Tensor, src: int, tag: int = 0, group: GroupBase | None = None) -> Handle:
-    """Starts receiving rank `src`'s next send with `tag` into `tensor`; wait() returns `tensor`."""
+def irecv(tensor: torch.Tensor, src: int | None = None, tag: int = 0, group: GroupBase | None = None) -> Handle:
+    """Starts receiving rank `src`'s (None: any rank's) next send with `tag` into `tensor`; wait() returns `tensor`."""
     return _recv(tensor, src, tag, group, "irecv")
 
 
 @profiled
-def recv(tensor: torch.Tensor, src: int, tag: int = 0, group: GroupBase | None = None) -> torch.Tensor:
-    """Receives rank `src`'s next send with `tag` into `tensor` and returns it."""
+def recv(tensor: torch.Tensor, src: int | None = None, tag: int = 0,
+         group: GroupBase | None = None) -> torch.Tensor:
+    """Receives rank `src`'s (None: any rank's) next send with `tag` into `tensor` and returns it."""
     return _recv(tensor, src, tag, group, "recv").wait()

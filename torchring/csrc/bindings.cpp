@@ -207,7 +207,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("is_completed", &Work::isCompleted, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("seq", &Work::seq);
-  py::class_<torchring::CpuWork, Work, std::shared_ptr<torchring::CpuWork>>(m, "CpuWork");
+  py::class_<torchring::CpuWork, Work, std::shared_ptr<torchring::CpuWork>>(m, "CpuWork")
+      .def_property_readonly("source", &torchring::CpuWork::source);
 
   py::class_<CommOptions>(m, "CommOptions", "What a Communicator is made from (engine/communicator.h).")
       .def(py::init<>())

@@ -199,6 +199,19 @@ def _world_ops_job(rank: int) -> list[str]:
                 h1, h2 = torchring.irecv(recv, peer, tag=9), torchring.isend(msg, peer, tag=9)
                 h2.wait(timeout=60)
                 chk.equal("isend/irecv pair", h1.wait(timeout=60), rank_input(peer, world, BIG, torch.float32))
+            # From any source: rank 0 takes every other rank's message, each naming its sender.
+            if rank == 0:
+                senders = []
+                for _ in range(world - 1):
+                    h = torchring.irecv(torch.empty(BIG), tag=11)
+                    got = h.wait(timeout=60)
+                    senders.append(h.source_rank())
+                    chk.equal(f"irecv(src=None) from rank {senders[-1]}", got,
+                              rank_input(senders[-1], world, BIG, torch.float32))
+                chk.true("irecv(src=None): one message per sender", sorted(senders) == list(range(1, world)),
+                         f"{senders}")
+            else:
+                torchring.send(rank_input(rank, world, BIG, torch.float32), 0, tag=11)
         flags = torch.tensor([rank % 2 == 0, True, False])
         torchring.allreduce(flags, ReduceOp.MAX)
         chk.true("bool MAX after", flags.tolist() == [True, True, False], f"got {flags}")

@@ -266,13 +266,25 @@ def _check_p2p(chk: Checker, rank: int, world: int) -> None:
     for w in dist.batch_isend_irecv(ops):
         w.wait()
     chk.equal("batch_isend_irecv", got, rank_input(right, world, 6, torch.int32))
-    # recv from any source is refused by name.
-    try:
-        if rank == 0:
-            dist.recv(torch.zeros(1))
-        chk.true("recv(src=None)", rank != 0, "did not raise")
-    except Exception as e:  # noqa: BLE001
-        chk.true("recv(src=None) error", "recv" in str(e) and "source" in str(e), f"says {e}")
+    # recv from any source: dist.recv returns the sender, irecv's Work names it (_source_rank()),
+    # and each sender's messages come in the order sent.
+    if rank == 0:
+        seen: dict[int, list[int]] = {}
+        for i in range(2 * (world - 1)):
+            t = torch.zeros(4, dtype=torch.int64)
+            if i % 2 == 0:
+                src = dist.recv(t, tag=77)
+            else:
+                work = dist.irecv(t, tag=77)
+                work.wait()
+                src = work._source_rank()
+            chk.true(f"recv(src=None) #{i}: sender", 0 < src < world and int(t[0]) // 10 == src, f"{src}, {t}")
+            seen.setdefault(src, []).append(int(t[0]) % 10)
+        chk.true("recv(src=None): every message once, in order per sender",
+                 seen == {r: [0, 1] for r in range(1, world)}, f"{seen}")
+    else:
+        for n in range(2):
+            dist.send(torch.full((4,), 10 * rank + n, dtype=torch.int64), 0, tag=77)
     dist.barrier()
 
 

@@ -16,7 +16,8 @@
 //   reduce_scatter   REDUCE_SCATTER of the inputs stacked along a new dim 0, into the output
 //   alltoall_base    ALLTOALL with the split sizes (equal blocks when empty)
 //   alltoall (list)  ALLTOALL of the concatenated inputs, split into the outputs
-//   send / recv      the engine's point-to-point; recv from any source is refused by name
+//   send / recv      the engine's point-to-point (recv from any source: its kAnySource, the
+//                    sender read back by the Work's sourceRank())
 //   barrier          BARRIER
 #include "c10d/backend.h"
 
@@ -138,7 +139,9 @@ std::shared_ptr<CpuWork> C10dBackend::submit(C10dWork& work, OpKind kind, const 
 
 c10::intrusive_ptr<c10d::Work> C10dBackend::launch(c10::intrusive_ptr<C10dWork> work) {
   const auto type = work->retrieveOpType();
-  if (type != c10d::OpType::SEND && type != c10d::OpType::RECV) ++collectives_;
+  if (type != c10d::OpType::SEND && type != c10d::OpType::RECV && type != c10d::OpType::RECVANYSOURCE) {
+    ++collectives_;
+  }
   bool done = true;
   for (auto& e : work->engine) done = done && e->isCompleted();
   if (done) {  // ran inline (asyncOp=False) or finished already: complete on the caller's
@@ -520,8 +523,10 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::recv(std::vector<at::Tensor>& tensor
 }
 
 c10::intrusive_ptr<c10d::Work> C10dBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
-  TORCH_CHECK_VALUE(false, where("recv"), ": receiving from any source (src=None) is not supported by "
-                    "torchring; pass the sender's rank as src");
+  at::Tensor t = checked(one(tensors, "recv"), "recv", "tensor");
+  auto work = make(c10d::OpType::RECVANYSOURCE, {t});
+  work->engine.push_back(comm_->recv(staged(t, *work), P2P::kAnySource, tag));
+  return launch(work);
 }
 
 c10::intrusive_ptr<c10d::Work> C10dBackend::barrier(const c10d::BarrierOptions& opts) {

@@ -88,6 +88,16 @@ bool C10dWork::wait(std::chrono::milliseconds timeout) {
               "again, or abort the group");
 }
 
+int C10dWork::sourceRank() const {
+  TORCH_CHECK_VALUE(opType_ == c10d::OpType::RECV || opType_ == c10d::OpType::RECVANYSOURCE, "rank ", rank_,
+                    ": sourceRank() of a torch.distributed ", c10d::opTypeToString(opType_),
+                    " on the torchring backend: only a recv has a source rank");
+  const int source = source_.load();
+  TORCH_CHECK_VALUE(source >= 0, "rank ", rank_, ": sourceRank() of a recv on the torchring backend that has "
+                    "not received a message yet: wait() for it first");
+  return source;
+}
+
 void C10dWork::complete() {
   std::exception_ptr error;
   try {
@@ -96,6 +106,7 @@ void C10dWork::complete() {
   } catch (...) {
     error = forTorch(std::current_exception());
   }
+  if (!engine.empty()) source_.store(engine[0]->source());
   engine.clear();  // drops the engine operations (and their callbacks, which hold this work)
   keep.clear();
   post = nullptr;

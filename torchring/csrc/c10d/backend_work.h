@@ -35,6 +35,8 @@ class C10dWork : public c10d::Work {
            std::vector<std::vector<at::Tensor>> nestedOutputs);
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
   std::vector<at::Tensor> result() override { return outputs_; }
+  // A recv's sender (recv from any source: the rank whose message it took), once complete.
+  int sourceRank() const override;
   // Work.wait(timeout): as c10d's, but a wait that expires names the rank, the operation and
   // what it still waits for (the operation keeps running; the process group stays usable).
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
@@ -49,6 +51,7 @@ class C10dWork : public c10d::Work {
  private:
   std::vector<at::Tensor> outputs_;
   std::vector<std::vector<at::Tensor>> nested_;
+  std::atomic<int> source_{-1};  // a recv's sender, read from its engine operation in complete()
   bool isNested_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };

@@ -6,6 +6,7 @@
 
 #include <ATen/ATen.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <exception>
 #include <functional>
@@ -58,8 +59,13 @@ class CpuWork : public Work {
   // Runs `fn` once the operation finished: now if it has, else on the thread that finishes it,
   // right after finish(). `fn` must be quick and must not wait for other operations.
   void onDone(std::function<void()> fn);
+  // A recv's sender: its peer, or for a recv from any source the rank whose message it took
+  // (set before finish; -1 until matched, and for every other operation).
+  void setSource(int rank) { source_.store(rank); }
+  int source() const { return source_.load(); }
 
  private:
+  std::atomic<int> source_{-1};
   std::mutex mutex_;
   std::condition_variable cv_;
   bool done_ = false;

@@ -256,8 +256,10 @@ void Communicator::checkPeer(const at::Tensor& tensor, int peer, int64_t tag, co
   TORCH_CHECK_VALUE(tensor.defined() && tensor.device().is_cpu() && tensor.is_contiguous(), rankText(), ": ",
                     what, " needs a contiguous CPU tensor");
   (void)toDType(tensor.scalar_type());
-  TORCH_CHECK_VALUE(peer >= 0 && peer < opt_.size && peer != opt_.rank, rankText(), ": ", what, " of ",
-                    tensorText(tensor), ": the peer must be another rank in [0, ", opt_.size, "), got ", peer);
+  const bool anySource = peer == P2P::kAnySource && std::string(what) == "recv";
+  TORCH_CHECK_VALUE(anySource || (peer >= 0 && peer < opt_.size && peer != opt_.rank), rankText(), ": ", what,
+                    " of ", tensorText(tensor), ": the peer must be another rank in [0, ", opt_.size, ")",
+                    std::string(what) == "recv" ? " or -1 (any source)" : "", ", got ", peer);
   TORCH_CHECK_VALUE(tag >= 0, rankText(), ": ", what, " of ", tensorText(tensor), ": tag must be >= 0, got ", tag);
   if (forkGeneration() != forkGeneration_) {
     throw TorchringError(rankText() + ": " + what + " called in a forked child process (pid " +

@@ -15,18 +15,23 @@ namespace {
 void finishOk(const std::shared_ptr<CpuWork>& work, const at::Tensor& result) { work->finish(result, nullptr); }
 }  // namespace
 
-void P2P::adopt(std::shared_ptr<Pending> op) {
-  auto& slot = links_[op->peer];
+P2P::Link& P2P::linkTo(int peer) {
+  auto& slot = links_[peer];
   if (!slot) {
     slot = std::make_unique<Link>();
-    if (sameHost(op->peer)) {  // rings in the receiver's region: theirs for sending, ours for receiving
-      const int me = opt_.rankLocal[opt_.rank], them = opt_.rankLocal[op->peer];
+    if (sameHost(peer)) {  // rings in the receiver's region: theirs for sending, ours for receiving
+      const int me = opt_.rankLocal[opt_.rank], them = opt_.rankLocal[peer];
       slot->shm = true;
       slot->out = p2pstream::shmOut(shm_->p2pRing(them, me));
-      slot->in = p2pstream::shmIn(shm_->p2pRing(me, them), "rank " + std::to_string(op->peer));
+      slot->in = p2pstream::shmIn(shm_->p2pRing(me, them), "rank " + std::to_string(peer));
     }
   }
-  Link& link = *slot;
+  return *slot;
+}
+
+void P2P::adopt(std::shared_ptr<Pending> op) {
+  if (op->anySource) return adoptAnySource(std::move(op));
+  Link& link = linkTo(op->peer);
   ++active_;
   op->last = Clock::now();
   if (op->isSend) {
@@ -54,6 +59,53 @@ void P2P::adopt(std::shared_ptr<Pending> op) {
     return;
   }
   link.posted.push_back(std::move(op));
+}
+
+// A recv from any source: the earliest arrived unclaimed message of its tag, from whichever
+// peer, or it waits in anyPosted_ (and every local peer's ring is read from now on; a peer on
+// another host connects when it first sends).
+void P2P::adoptAnySource(std::shared_ptr<Pending> op) {
+  ++active_;
+  op->last = Clock::now();
+  int from = -1;
+  Stashed* oldest = nullptr;
+  for (int peer = 0; peer < opt_.size; ++peer) {
+    if (peer == opt_.rank) continue;
+    if (sameHost(peer)) linkTo(peer);
+    if (!links_[peer]) continue;
+    for (auto& stashed : links_[peer]->stash) {  // a link's stash is in arrival order
+      if (stashed->waiter || stashed->frame.tag != op->tag) continue;
+      if (!oldest || stashed->arrival < oldest->arrival) {
+        oldest = stashed.get();
+        from = peer;
+      }
+      break;
+    }
+  }
+  if (!oldest) {
+    anyPosted_.push_back(std::move(op));
+    return;
+  }
+  op->peer = from;
+  op->work->setSource(from);
+  oldest->waiter = op;
+  if (oldest->complete) deliver(from, *links_[from], *oldest, op);
+}
+
+std::shared_ptr<P2P::Pending> P2P::takePosted(int peer, Link& link, int64_t tag) {
+  auto mine = std::find_if(link.posted.begin(), link.posted.end(), [&](const auto& op) { return op->tag == tag; });
+  auto any = std::find_if(anyPosted_.begin(), anyPosted_.end(), [&](const auto& op) { return op->tag == tag; });
+  std::shared_ptr<Pending> recv;
+  if (any != anyPosted_.end() && (mine == link.posted.end() || (*any)->work->seq() < (*mine)->work->seq())) {
+    recv = *any;  // posted before this peer's own recv of the tag
+    anyPosted_.erase(any);
+    recv->peer = peer;
+    recv->work->setSource(peer);
+  } else if (mine != link.posted.end()) {
+    recv = *mine;
+    link.posted.erase(mine);
+  }
+  return recv;
 }
 
 OutStream& P2P::outStream(int peer, Link& link) {
@@ -228,17 +280,11 @@ void P2P::onHeader(int peer, Link& link) {
     }
     return;
   }
-  std::shared_ptr<Pending> recv;
-  for (auto it = link.posted.begin(); it != link.posted.end(); ++it) {
-    if ((*it)->tag == f.tag) {
-      recv = *it;
-      link.posted.erase(it);
-      break;
-    }
-  }
+  std::shared_ptr<Pending> recv = takePosted(peer, link, f.tag);
   if (f.type == kRts) {  // no payload follows: clear it now, or keep it for a later recv
     auto announced = std::make_unique<Stashed>();
     announced->frame = f;
+    announced->arrival = arrivals_++;
     announced->complete = true;
     if (recv) {
       deliver(peer, link, *announced, recv);
@@ -252,6 +298,7 @@ void P2P::onHeader(int peer, Link& link) {
   if (!recv) {
     auto stashed = std::make_unique<Stashed>();
     stashed->frame = f;
+    stashed->arrival = arrivals_++;
     stashed->payload.resize(f.bytes);
     link.dest = stashed->payload.data();
     link.stashTarget = stashed.get();

@@ -38,6 +38,7 @@ constexpr size_t kFrameBytes = 64;
 
 struct P2P::Pending {
   bool isSend = false;
+  bool anySource = false;  // a recv posted with kAnySource; `peer` is set once it is matched
   int peer = 0;
   int64_t tag = 0;
   char* data = nullptr;
@@ -59,6 +60,7 @@ struct P2P::OutItem {
 
 struct P2P::Stashed {
   Frame frame;
+  uint64_t arrival = 0;  // P2P::arrivals_ when it arrived: a recv from any source takes the oldest
   std::vector<char> payload;
   bool complete = false;
   std::shared_ptr<Pending> waiter;  // a recv that claimed it while it was still arriving

@@ -62,6 +62,7 @@ std::shared_ptr<CpuWork> P2P::post(bool isSend, int peer, int64_t tag, char* dat
                                    const std::string& what, at::Tensor keep) {
   auto op = std::make_shared<Pending>();
   op->isSend = isSend;
+  op->anySource = !isSend && peer == kAnySource;
   op->peer = peer;
   op->tag = tag;
   op->data = data;
@@ -71,6 +72,7 @@ std::shared_ptr<CpuWork> P2P::post(bool isSend, int peer, int64_t tag, char* dat
   std::unique_lock<std::mutex> lock(mutex_);
   op->work = std::make_shared<CpuWork>(isSend ? OpKind::SEND : OpKind::RECV, nextSeq_++, opt_.rank);
   op->work->setContext(opt_.label);
+  if (!isSend && !op->anySource) op->work->setSource(peer);
   auto work = op->work;
   if (!failure_.empty() || stopping_) {
     std::exception_ptr error =
@@ -92,6 +94,10 @@ std::shared_ptr<CpuWork> P2P::post(bool isSend, int peer, int64_t tag, char* dat
 }
 
 std::string P2P::describe(const Pending& op) const {
+  if (op.anySource) {
+    const std::string from = op.peer == kAnySource ? "any source" : "any source, matched rank " + std::to_string(op.peer);
+    return "recv from " + from + " (tag " + std::to_string(op.tag) + ", " + op.what + ")";
+  }
   if (op.tag < 0) {  // a collective's transfer: `what` names the collective
     return op.what + (op.isSend ? ", its transfer to rank " : ", its transfer from rank ") + std::to_string(op.peer);
   }
@@ -152,6 +158,14 @@ void P2P::checkDeadlines() {
   char seconds[32];
   std::snprintf(seconds, sizeof(seconds), "%g", limit);
   const std::string within = std::string(" within ") + seconds + " s";
+  for (auto& op : anyPosted_) {  // no peer yet: late when nothing arrived for it
+    if (secondsSince(op->last) > limit) {
+      failAll(rankText() + ": " + describe(*op) + " got no message" + within + ": no rank sent one with tag " +
+                  std::to_string(op->tag) + ", or the senders are stuck or dead",
+              true, false);
+      return;
+    }
+  }
   for (int peer = 0; peer < opt_.size; ++peer) {
     if (!links_[peer]) continue;
     Link& link = *links_[peer];
@@ -225,6 +239,8 @@ void P2P::failAll(const std::string& message, bool notify, bool shuttingDown) {
     ops.assign(incoming_.begin(), incoming_.end());
     incoming_.clear();
   }
+  ops.insert(ops.end(), anyPosted_.begin(), anyPosted_.end());
+  anyPosted_.clear();
   for (auto& slot : links_) {
     if (!slot) continue;
     for (auto& item : slot->outq) ops.push_back(item.send);
@@ -319,7 +335,9 @@ void P2P::loop() {
       idle = 0;
       continue;
     }
-    bool shmBusy = false, tcpBusy = false;
+    // A recv from any source waits on every stream: poll them all as for a pending transfer.
+    const bool anyWaiting = active_ > 0 && !anyPosted_.empty();
+    bool shmBusy = false, tcpBusy = anyWaiting;
     fds.clear();
     fds.push_back({wakeFd_, POLLIN, 0});
     if (listenFd_ >= 0) fds.push_back({listenFd_, POLLIN, 0});
@@ -327,7 +345,7 @@ void P2P::loop() {
     for (auto& slot : links_) {
       if (!slot) continue;
       if (slot->shm) {
-        shmBusy |= active_ > 0 && (hasPending(*slot) || !slot->stash.empty() || slot->inPayload);
+        shmBusy |= active_ > 0 && (hasPending(*slot) || !slot->stash.empty() || slot->inPayload || anyWaiting);
         continue;
       }
       tcpBusy |= active_ > 0 && hasPending(*slot);

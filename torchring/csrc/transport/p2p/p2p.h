@@ -9,7 +9,12 @@
 //
 // Matching: a message carries (tag, id); the receiver hands it to its first posted recv from
 // that peer with the same tag, so order is kept per (peer, tag) and tags may be received in
-// any order. A small message nobody waits for yet is read into a stash (the stream never
+// any order. A recv from any source (peer kAnySource) matches a message of its tag from every
+// peer, as MPI_ANY_SOURCE does: an arriving message goes to the earliest posted of the recvs
+// that match it (its peer's and the any-source ones, by posting number), and a recv from any
+// source posted later takes the earliest arrived unclaimed message of its tag (arrival
+// number), so each peer's messages are still taken in the order sent. The recv's Work
+// records the sender (CpuWork::source). A small message nobody waits for yet is read into a stash (the stream never
 // blocks behind it) and taken by the next recv of its tag; a large one (over 64 KiB) is only
 // announced, and its payload follows once the receiver posted the recv for it (rendezvous). A send completes when its ACK comes
 // back, i.e. once the peer's recv took it (as MPI_Ssend): a send with no matching recv fails
@@ -93,6 +98,8 @@ int readIntro(int fd, char* bytes, size_t* got, int rank, int size, const std::s
 
 class P2P {
  public:
+  static constexpr int kAnySource = -1;  // recv's peer: a message from any rank
+
   P2P(P2POptions options, ShmGroup* shm);
   ~P2P();
 
@@ -106,6 +113,7 @@ class P2P {
   // User tags are >= 0; collectives use negative tags of their own.
   std::shared_ptr<CpuWork> send(int peer, int64_t tag, const char* data, size_t bytes,
                                 const std::string& what, at::Tensor keep = {});
+  // recv's `peer` may be kAnySource.
   std::shared_ptr<CpuWork> recv(int peer, int64_t tag, char* data, size_t bytes,
                                 const std::string& what, at::Tensor keep = {});
 
@@ -127,6 +135,10 @@ class P2P {
                                 const std::string& what, at::Tensor keep);
   void loop();
   void adopt(std::shared_ptr<Pending> op);
+  void adoptAnySource(std::shared_ptr<Pending> op);
+  Link& linkTo(int peer);
+  // The recv an arriving message of `tag` from `peer` goes to (removed from its list), or null.
+  std::shared_ptr<Pending> takePosted(int peer, Link& link, int64_t tag);
   bool pumpOut(int peer, Link& link);
   bool pumpIn(int peer, Link& link);
   bool pumpFrames(int peer, Link& link);
@@ -164,6 +176,8 @@ class P2P {
   uint64_t nextSeq_ = 0;
   std::thread thread_;
   int active_ = 0;  // progress thread only: operations not yet completed
+  std::deque<std::shared_ptr<Pending>> anyPosted_;  // progress thread: recvs from any source, unmatched
+  uint64_t arrivals_ = 0;                           // progress thread: numbers stashed messages
   bool notified_ = false;  // onFailure_ was called
   struct Intro {
     int fd;
