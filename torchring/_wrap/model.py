@@ -13,7 +13,9 @@ How one synchronized step runs:
    parameter this rank did not use contributes its accumulated gradient or zeros), allreduces
    a used-flag per parameter (MAX; a parameter holding a gradient from no_sync steps counts as
    used), waits for every bucket and settles each parameter's ``.grad``: averaged when any rank
-   used it, left as it was (None) when no rank did. ``backward()`` returns after it.
+   used it, left as it was (None) when no rank did; then the sparse gradients of embeddings
+   built with sparse=True, which stay out of the buckets, are averaged (sparse_grads.py).
+   ``backward()`` returns after it.
 After the first synchronized step the buckets are rebuilt once in the order gradients
 actually became ready on rank 0, which every rank adopts. During every backward through the
 wrapper (no_sync ones too), large CPU allocations of that backward, the fresh gradients among
@@ -44,6 +46,7 @@ from ..collectives._checks import dtype_advice
 from .hooks import LOCK, GradHooks
 from .join import Join, Round, active_join
 from .reducer import BUCKET_CAP_BYTES, FIRST_BUCKET_CAP_BYTES, Reducer
+from .sparse_grads import SparseGrads, sparse_parameters
 
 __all__ = ["DistributedModel", "wrap"]
 
@@ -62,12 +65,8 @@ def _show_entry(entry: tuple | None) -> str:
 
 
 def _check_module(module: nn.Module, rank: int) -> None:
-    """Refuses what torchring cannot wrap: sparse embeddings, dtypes, lazy and misplaced parameters."""
+    """Refuses what torchring cannot wrap: dtypes, lazy and misplaced parameters."""
     where = f"rank {rank}: torchring.wrap"
-    for name, sub in module.named_modules():
-        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
-            raise ValueError(f"{where}: '{name}' has sparse=True; sparse gradients are not "
-                             "supported, construct it with sparse=False")
     for name, t in list(module.named_parameters()) + list(module.named_buffers()):
         if advice := dtype_advice(t.dtype):  # the collectives' rule
             raise TypeError(f"{where}: '{name}' has dtype {dtype_name(t.dtype)}, which torchring "
@@ -124,7 +123,8 @@ class DistributedModel(nn.Module):
         self.require_backward_grad_sync = True
         self._rank = _context.rank()
         _check_module(module, self._rank)
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._sparse = SparseGrads(sparse_parameters(module))  # outside the buckets (sparse_grads.py)
+        named = self._dense_trainable()
         params = [p for _, p in named]
         # One hook per trainable parameter; fresh CPU gradients come from memory kept between
         # steps (no page faults; memory.py). Before any collective, so a bad setting fails
@@ -136,20 +136,27 @@ class DistributedModel(nn.Module):
                                 first_bucket_cap_bytes=int(first_bucket_mb * _MB),
                                 bucket_cap_bytes=int(bucket_cap_mb * _MB),
                                 compression=_COMPRESSION[compression], rank=self._rank)
-        self._all_params, self._trainable = list(module.parameters()), {id(p) for p in params}
+        self._all_params = list(module.parameters())
+        self._trainable = {id(p) for p in params} | self._sparse.ids  # sparse: trainable, not bucketed
 
     def _rebucket(self, learn_order: bool) -> None:
         """Lays the Reducer out over the parameters trainable now: in reverse registration order,
         learning the ready order again (`learn_order`), or in rank 0's first ready order (once;
         a collective). Parameters frozen since wrap() leave the buckets."""
-        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        named = self._dense_trainable()
         params, names = [p for _, p in named], [n for n, _ in named]
         if learn_order:
             self._reducer.rebuild((), params, names, learn_order=True)
         else:
             self._reducer.rebuild_by_ready_order(params, names)
         self._hooks.attach(params)
-        self._all_params, self._trainable = list(self.module.parameters()), {id(p) for p in params}
+        self._all_params = list(self.module.parameters())
+        self._trainable = {id(p) for p in params} | self._sparse.ids
+
+    def _dense_trainable(self) -> list[tuple[str, nn.Parameter]]:
+        """The trainable parameters whose gradients go through the Reducer's buckets."""
+        return [(n, p) for n, p in self.module.named_parameters()
+                if p.requires_grad and id(p) not in self._sparse.ids]
 
     # ------------------------------------------------------------ public API
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -227,6 +234,7 @@ class DistributedModel(nn.Module):
                 _broadcast_coalesced(list(self.module.buffers()), step.source)
         with LOCK:
             self._reducer.shadow()
+        self._sparse.sync(shadow=True)
         if not self._reducer.rebuilt:
             self._rebucket(learn_order=False)
 
@@ -268,6 +276,7 @@ class DistributedModel(nn.Module):
         the first sync, the one-time rebuild in rank 0's ready order (a collective)."""
         with LOCK:
             self._reducer.finalize()
+        self._sparse.sync()
         if not self._reducer.rebuilt:
             self._rebucket(learn_order=False)
 

@@ -14,6 +14,7 @@ header compared by the CPU engine too); everything else (the other collectives, 
 of a group made by new_group(), scaling factors, uneven reduce_scatter rows) and the "staged"
 path go through a pinned host copy that the CPU engine reduces, copied back when waited for.
 Either way the caller's input is checked once, and messages name the function the caller called.
+allreduce of a sparse COO tensor is three allgathers (sparse.py).
 
 This module also holds the dispatch that rooted, alltoall and p2p share; the checks they all
 share are in _checks.py.
@@ -30,7 +31,7 @@ import torch
 from .._core import context as _context, gpu_path as _gpu_path
 from .._core.group_wiring import GroupBase, Target, target
 from .._core.types import Handle, OpKind, ReduceOp, _profiler_on, profiled
-from . import _checks
+from . import _checks, sparse
 
 __all__ = [
     "ReduceOp", "Handle", "allreduce", "allreduce_async", "broadcast", "broadcast_async",
@@ -140,6 +141,8 @@ class _Works:
 
 def _allreduce(tensor: torch.Tensor, op: ReduceOp, prescale: float, postscale: float,
                group: GroupBase | None, what: str, inline: bool) -> Handle:
+    if sparse.is_sparse(tensor):  # three allgathers (collectives/sparse.py)
+        return sparse.allreduce_async(tensor, op, prescale, postscale, group, what)
     tg = target(group, what)
     t = _checks.check_tensor(tensor, what, tg)
     op = _checks.check_op(OpKind.ALLREDUCE, t, op, what, tg)

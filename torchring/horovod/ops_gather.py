@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .._core import context as _context
+from ..collectives import sparse
 from .basics import Average, Sum, op_name, to_reduce_op
 from .compression import Compression
 from .negotiator import Request, register_joined_starter
@@ -350,17 +351,14 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int,
         raise ValueError("hvd.sparse_allreduce_async: expected a sparse COO tensor")
     if op not in (Average, Sum):
         raise ValueError(f"hvd.sparse_allreduce_async: op must be hvd.Average or hvd.Sum, got {op_name(op)}")
-    t = tensor.coalesce()
-    indices = t.indices().t().contiguous()  # rows: one per non-zero, gathered along dim 0
+    rows, values = sparse.pack(tensor)  # one row per non-zero: gathered along dim 0
     base = name if name is not None else process_set.auto_name("sparse_allreduce")
-    hi = allgather_async(indices, f"{base}.indices", process_set)
-    hv = allgather_async(t.values().contiguous(), f"{base}.values", process_set)
-    size, shape = len(process_set.ranks or ()), t.shape
+    hi = allgather_async(rows, f"{base}.indices", process_set)
+    hv = allgather_async(values, f"{base}.values", process_set)
+    size, shape = len(process_set.ranks or ()), tensor.shape
 
     def wait() -> torch.Tensor:
-        idx, vals = synchronize(hi).t(), synchronize(hv)
-        if op == Average:
-            vals = vals / size
-        return torch.sparse_coo_tensor(idx, vals, size=shape).coalesce()
+        vals = synchronize(hv)
+        return sparse.unpack(synchronize(hi), vals / size if op == Average else vals, shape)
 
     return wait

@@ -5,7 +5,8 @@
 // C10dWork whose `post` moves results into the caller's outputs. A tensor the engine cannot
 // take in place (not contiguous, or a CUDA tensor: the staged path) goes to the engine as a
 // contiguous host copy and `post` copies the result back. Mapping to engine operations:
-//   allreduce        ALLREDUCE (PREMUL_SUM(f): SUM with prescale f)
+//   allreduce        ALLREDUCE (PREMUL_SUM(f): SUM with prescale f); of a sparse COO tensor,
+//                    three ALLGATHERs (shape, indices, values: backend_sparse.cpp)
 //   allreduce_coal.  ALLREDUCE_MANY
 //   broadcast        BROADCAST            reduce    REDUCE
 //   allgather (list) ALLGATHER, then the gathered rows are copied into each output (and the
@@ -78,7 +79,8 @@ at::Tensor C10dBackend::checked(const at::Tensor& t, const char* op, const char*
   TORCH_CHECK_VALUE(t.defined(), where(op), ": ", name, " is undefined");
   TORCH_CHECK_VALUE(t.device().is_cpu() || t.device().is_cuda(), where(op), ": ", name, " is on ",
                     t.device(), "; this backend takes CPU and CUDA tensors");
-  TORCH_CHECK_VALUE(!t.is_sparse(), where(op), ": ", name, " is sparse; torchring reduces dense tensors");
+  TORCH_CHECK_VALUE(t.layout() == at::kStrided, where(op), ": ", name, " is a ", t.layout(),
+                    " tensor; torchring takes dense tensors, and sparse COO ones in all_reduce (SUM)");
   return t;
 }
 
@@ -187,6 +189,7 @@ void copyRows(const at::Tensor& all, const std::vector<at::Tensor>& outs) {
 
 c10::intrusive_ptr<c10d::Work> C10dBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                       const c10d::AllreduceOptions& opts) {
+  if (one(tensors, "all_reduce").layout() != at::kStrided) return sparseAllreduce(tensors[0], opts);
   at::Tensor t = checked(one(tensors, "all_reduce"), "all_reduce", "tensor");
   auto [op, prescale] = reduceOp(opts.reduceOp, t, "all_reduce");
   auto work = make(c10d::OpType::ALLREDUCE, {t});

@@ -88,6 +88,8 @@ class C10dBackend : public c10d::Backend {
   // `tensor` alive until the work completes and adds the operation to those it waits for.
   std::shared_ptr<CpuWork> submit(C10dWork& work, OpKind kind, const at::Tensor& tensor, ReduceOp op, int root,
                                   bool runInline, OpArgs args = OpArgs());
+  // all_reduce of a sparse COO tensor (backend_sparse.cpp).
+  c10::intrusive_ptr<c10d::Work> sparseAllreduce(at::Tensor& t, const c10d::AllreduceOptions& opts);
   at::Tensor checked(const at::Tensor& t, const char* op, const char* name) const;
   const at::Tensor& one(const std::vector<at::Tensor>& tensors, const char* op) const;
   std::string where(const char* op) const;
