@@ -74,9 +74,6 @@ SKIP_REASONS: list[tuple[str, str]] = [
      r"gloo|Only gloo backend supports timeouts|GLOO Batch Send Recv CPU|Only Gloo backend supports "
      r"sparse all reduce|Only Nccl & Gloo backend support DistributedDataParallel",
      NAME_GATE),
-    (r"^torchring does not support send/recv from any source$",
-     "torchring refuses recv from any source by name (csrc/c10d/backend.cpp); this runner adds torchring "
-     "to the suite's skip_collective['sendrecv anysource']"),
 ]
 
 
@@ -116,8 +113,6 @@ if not _RUN_AS_TOOL:
         _cases = common_distributed.DistTestCases
         for _feature in ("ddp", "subgroup", "plugin"):
             _cases.backend_feature[_feature].add("torchring")
-        # recv from any source is refused by name (csrc/c10d/backend.cpp): the suite skips those tests
-        _cases.skip_collective["sendrecv anysource"].add("torchring")
     elif os.environ.get("TORCH_SUITE_GLOO_ALIAS") == "1":
         # --alias-gloo: the suite believes it runs gloo (its gates by name open), but its default
         # process group is torchring's. Groups made with an explicit backend="gloo" stay gloo.

@@ -30,6 +30,7 @@ MUST_PASS = [
     "test_gather",                      # gather to every root
     "test_scatter",                     # scatter from every root
     "test_send_recv",                   # point-to-point between every pair
+    "test_send_recv_any_source",        # recv from any source, the sender from the Work
     "test_barrier",                     # barrier against wall-clock sleeps
     "test_DistributedDataParallelCPU",  # DDP training on CPU against a single-process model
 ]
