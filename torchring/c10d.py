@@ -60,8 +60,10 @@ def connect_backend(store: Any, rank: int, size: int, timeout: float | None, lab
     # The host of the store's address: where the route to it starts. torch hands the rank and
     # the world, so nothing else of the launch is read (its variables may be partial).
     master_addr = store_host or _env.store_host() if size > 1 else "127.0.0.1"
+    # The group's arena (reserved, committed only as used) holds the tensors it all_reduces again
+    # and again, DDP's buckets: their all_reduces are then zero-copy (csrc/c10d/backend_arena.cpp).
     comm = _rendezvous.connect(engine, store, "torchring/", rank, size, settings, host, master_addr,
-                               secret_from="the group's rank 0", arena_bytes=0, label=label).comm
+                               secret_from="the group's rank 0", label=label).comm
     return engine.make_c10d_backend(comm, rank, size, label), comm
 
 

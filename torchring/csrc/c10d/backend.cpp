@@ -5,7 +5,8 @@
 // C10dWork whose `post` moves results into the caller's outputs. A tensor the engine cannot
 // take in place (not contiguous, or a CUDA tensor: the staged path) goes to the engine as a
 // contiguous host copy and `post` copies the result back. Mapping to engine operations:
-//   allreduce        ALLREDUCE (PREMUL_SUM(f): SUM with prescale f); of a sparse COO tensor,
+//   allreduce        ALLREDUCE (PREMUL_SUM(f): SUM with prescale f; a tensor reduced again
+//                    moves into the shared-memory arena: backend_arena.cpp); of a sparse COO tensor,
 //                    three ALLGATHERs (shape, indices, values: backend_sparse.cpp)
 //   allreduce_coal.  ALLREDUCE_MANY
 //   broadcast        BROADCAST            reduce    REDUCE
@@ -192,6 +193,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::allreduce(std::vector<at::Tensor>& t
   if (one(tensors, "all_reduce").layout() != at::kStrided) return sparseAllreduce(tensors[0], opts);
   at::Tensor t = checked(one(tensors, "all_reduce"), "all_reduce", "tensor");
   auto [op, prescale] = reduceOp(opts.reduceOp, t, "all_reduce");
+  if (t.is_contiguous()) settle(t);
   auto work = make(c10d::OpType::ALLREDUCE, {t});
   OpArgs args;
   args.prescale = prescale;
@@ -208,6 +210,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::allreduce_coalesced(std::vector<at::
   for (auto& t : tensors) {
     checked(t, "all_reduce_coalesced", "tensor");
     std::tie(op, args.prescale) = reduceOp(opts.reduceOp, t, "all_reduce_coalesced");
+    if (t.is_contiguous()) settle(t);
     args.tensors.push_back(staged(t, *work));
   }
   submit(*work, OpKind::ALLREDUCE_MANY, at::Tensor(), op, -1, !opts.asyncOp, args);

@@ -11,7 +11,9 @@
 
 #include <atomic>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -88,6 +90,9 @@ class C10dBackend : public c10d::Backend {
   // `tensor` alive until the work completes and adds the operation to those it waits for.
   std::shared_ptr<CpuWork> submit(C10dWork& work, OpKind kind, const at::Tensor& tensor, ReduceOp op, int root,
                                   bool runInline, OpArgs args = OpArgs());
+  // Moves a CPU tensor all_reduced again (a DDP bucket) into the shared-memory arena, so its
+  // later all_reduces are zero-copy (backend_arena.cpp).
+  void settle(const at::Tensor& t);
   // all_reduce of a sparse COO tensor (backend_sparse.cpp).
   c10::intrusive_ptr<c10d::Work> sparseAllreduce(at::Tensor& t, const c10d::AllreduceOptions& opts);
   at::Tensor checked(const at::Tensor& t, const char* op, const char* name) const;
@@ -101,6 +106,8 @@ class C10dBackend : public c10d::Backend {
   std::shared_ptr<Completer> completer_;
   std::string label_;
   std::atomic<uint64_t> collectives_{0};
+  std::mutex seenMutex_;
+  std::unordered_map<const void*, int> seen_;  // all_reduces per storage (settle)
 };
 
 }  // namespace torchring

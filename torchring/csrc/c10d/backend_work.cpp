@@ -123,7 +123,12 @@ void C10dWork::complete() {
   finish();
 }
 
-Completer::Completer() : thread_([this] { loop(); }) {}
+// Completer: the threads that complete works. One, until a work completes while every thread is
+// busy completing another: a Future callback that starts a collective and waits for its Future
+// (torch's PowerSGD hook, fut.then(lambda f: dist.all_reduce(..., async_op=True).wait())) would
+// wait for ever on the only thread that could complete it. A push that finds no idle thread then
+// starts one more (kMaxThreads in all), so completions keep flowing around a blocked callback.
+Completer::Completer() { threads_.emplace_back([this] { loop(); }); }
 
 Completer::~Completer() { stop(); }
 
@@ -131,17 +136,29 @@ void Completer::push(c10::intrusive_ptr<C10dWork> work) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     ready_.push_back(std::move(work));
+    if (idle_ == 0 && !stopping_ && threads_.size() < kMaxThreads) {
+      threads_.emplace_back([this] { loop(); });
+      return;
+    }
   }
   cv_.notify_one();
 }
 
 void Completer::stop() {
+  std::vector<std::thread> threads;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stopping_ = true;
+    threads.swap(threads_);
   }
-  cv_.notify_one();
-  if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
+  cv_.notify_all();
+  for (auto& t : threads) {
+    if (t.get_id() == std::this_thread::get_id()) {
+      t.detach();  // stopped from a callback this thread runs: it returns to loop() and ends
+    } else if (t.joinable()) {
+      t.join();
+    }
+  }
 }
 
 void Completer::loop() {
@@ -149,7 +166,9 @@ void Completer::loop() {
     c10::intrusive_ptr<C10dWork> work;
     {
       std::unique_lock<std::mutex> lock(mutex_);
+      ++idle_;
       cv_.wait(lock, [&] { return stopping_ || !ready_.empty(); });
+      --idle_;
       if (ready_.empty()) return;  // stopping, and every handed-over work was completed
       work = std::move(ready_.front());
       ready_.pop_front();

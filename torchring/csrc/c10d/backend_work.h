@@ -65,11 +65,13 @@ class Completer {
 
  private:
   void loop();
+  static constexpr size_t kMaxThreads = 16;
   std::mutex mutex_;
   std::condition_variable cv_;
   std::deque<c10::intrusive_ptr<C10dWork>> ready_;
   bool stopping_ = false;
-  std::thread thread_;
+  int idle_ = 0;  // threads waiting for a work
+  std::vector<std::thread> threads_;
 };
 
 }  // namespace torchring

@@ -151,6 +151,10 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   std::shared_ptr<CpuWork> submitCheck(OpKind kind, const at::Tensor& like, ReduceOp op, int root);
   // A tensor in this rank's shared-memory arena, or an undefined tensor if none is left.
   at::Tensor emptyShared(at::IntArrayRef sizes, at::ScalarType dtype);
+  // Moves the storage of a CPU tensor that torch's allocator made into this rank's arena, in
+  // place (every view follows); false when it cannot (no arena, full, memory owned elsewhere,
+  // already there). arena_move.cpp.
+  bool moveIntoArena(const at::Tensor& tensor);
 
   int localIndex() const { return localIndex_; }
   int localSize() const { return static_cast<int>(opt_.hosts[hostIndex_].size()); }
