@@ -9,9 +9,9 @@ a few float32 roundings, far below what one step moves them. Each case also chec
 moved the parameters and that every rank holds the same torchring parameters. The cases include
 DDP's communication hooks: fp16 and bf16 compression and PowerSGD.
 
-A Future callback that waits for another collective deadlocks torchring (PowerSGD's hooks do
-this): test_future_callback_may_wait_for_a_collective shows it, marked xfail until it is fixed,
-and the PowerSGD case meanwhile waits for each of its collectives where it starts it.
+PowerSGD's hook runs unchanged: its Future callbacks start collectives and wait for them, which
+the backend's completer serves with another thread (test_future_callback_may_wait_for_a_collective
+shows it on a bare ``fut.then``).
 
 The Lightning test (``Trainer.fit`` with ``DDPStrategy(process_group_backend="torchring")`` against
 the same fit on gloo) needs Lightning, which the ``test`` extra installs.
@@ -72,7 +72,6 @@ CASES = {
     # Q allreduced, error feedback, warm start). Every weight here compresses: (rows + cols) * 2 <
     # rows * cols. At world 3 an ulp of difference in P or Q passes through the orthogonalization
     # and the product P Q^T, a relative error of a few float32 roundings: the default rtol 1e-5.
-    # The hooks run _waited, on both backends (test_future_callback_may_wait_for_a_collective).
     "powersgd": dict(hook="powersgd", steps=6),
     "no_sync": dict(no_sync=True, ddp=dict(gradient_as_bucket_view=True)),
     "join": dict(join=True, norm=True),
@@ -123,31 +122,7 @@ def _hook(name: str, group: object) -> tuple[object, object]:
                                         random_seed=0)
     # (batched_powerSGD_hook is left out: in torch 2.13 it hands a 2-D Q to _orthogonalize, which
     # asserts 3-D, on any backend)
-    return state, _waited(powerSGD_hook.powerSGD_hook)
-
-
-def _waited(hook):  # no annotations: DDP checks them
-    """``hook`` with every allreduce it starts waited for at once, so that its Future callbacks run
-    on the calling thread: torchring deadlocks when a callback on its completing thread waits for
-    another collective (test_future_callback_may_wait_for_a_collective), as PowerSGD's do."""
-    import torch.distributed as dist
-
-    def run(state, bucket):
-        start = dist.all_reduce
-
-        def all_reduce(*args, **kwargs):
-            work = start(*args, **kwargs)
-            if work is not None:
-                work.wait()
-            return work
-
-        dist.all_reduce = all_reduce
-        try:
-            return hook(state, bucket)
-        finally:
-            dist.all_reduce = start
-
-    return run
+    return state, powerSGD_hook.powerSGD_hook
 
 
 def _run_case(rank: int, world: int, name: str, gloo: object, chk: Checker) -> None:
@@ -238,9 +213,6 @@ def _callback_waits(rank: int, world: int) -> list[str]:
     return chk.failures
 
 
-@pytest.mark.xfail(strict=True, reason="torchring completes every Future on one thread, its Completer, which runs "
-                   "the Future's callbacks: a callback that waits for another collective's Future blocks the only "
-                   "thread that could complete it (torch's powerSGD_hook does this)")
 def test_future_callback_may_wait_for_a_collective() -> None:
     """fut.then(callback) where the callback waits for a new allreduce, as PowerSGD's hooks do (gloo: fine)."""
     assert_no_failures(spawn(2, _callback_waits, 2, timeout=30))
