@@ -52,7 +52,7 @@ import _plot  # noqa: E402
 from _harness import (DTYPES, common_args, copy_bandwidth, finish, machine_info, max_over_ranks,  # noqa: E402
                       oversubscribed, parse_args, print_header, rank_env, reporting, run_world, sum_over_ranks)
 from _sizes import fmt_size, parse_size  # noqa: E402
-from summarize import peer_ratio, wrong_in  # noqa: E402
+from summarize import peer_ratio, time_columns, time_us, wrong_in  # noqa: E402
 
 DEFAULT_SIZES = "4,4K,64K,256K,1M,16M,64M,256M"
 LIBS = ("torchring", "torchring-shm", "gloo", "mpi", "impi", "deepspeed")
@@ -158,7 +158,7 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, queue
 
 def print_table_header(libs: list[str]) -> None:
     """The table's column names and rule."""
-    names = ["size", "dtype"] + [f"{lib} µs" for lib in libs]
+    names = ["size", "dtype"] + [f"{col} µs" for col in time_columns(libs)]
     names += ["best peer / torchring"] + (["impi / torchring"] if "impi" in libs else [])
     names += ["torchring busbw GB/s", "model fraction (plain, shm)", "slowest/median", "#wrong"]
     print("| " + " | ".join(names) + " |\n|" + "---|" * len(names), flush=True)
@@ -168,7 +168,7 @@ def print_row(row: dict, libs: list[str]) -> None:
     """One table line: each library's median time, the fastest peer's time over torchring's
     (above 1: torchring is faster), and torchring's fraction of the memory-bandwidth model."""
     cells = [fmt_size(row["size"]), row["dtype"]]
-    cells += [f"{row[lib]['time_us']:.1f}" if lib in row else "n/a" for lib in libs]
+    cells += ["n/a" if (t := time_us(row, col)) is None else f"{t:.1f}" for col in time_columns(libs)]
     ratios = [r for r in (peer_ratio(row, lib) for lib in libs) if r is not None]
     mine = row.get("torchring")
     cells.append(f"{min(ratios):.2f}" if ratios else "")

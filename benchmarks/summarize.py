@@ -5,7 +5,8 @@
 Each time cell is the median over the runs of that run's median time, with [min..max] over the
 runs for torchring. best peer / torchring = the fastest peer's median over torchring's (above 1:
 torchring is faster; Intel MPI's over the torchring of its own world), taken per run and then the
-median over runs with [min..max]; impi / torchring the same for Intel MPI alone. Model
+median over runs with [min..max]; impi / torchring the same for Intel MPI alone, over the
+torchring@impi column (torchring in Intel MPI's world). Model
 fraction: torchring's (plain, torchring.empty) share of the memory-bandwidth model of
 allreduce.py (from 16 MiB). slowest/median: the worst over the runs of torchring's slowest trial
 over its median."""
@@ -26,8 +27,26 @@ def peer_ratio(row: dict, lib: str) -> float | None:
     torchring_us), above 1 where torchring is faster; None for torchring or a missing cell."""
     if lib.startswith("torchring") or lib not in row:
         return None
-    mine = row[lib].get("torchring_us") or row.get("torchring", {}).get("time_us")
+    mine = torchring_beside(row, lib)
     return row[lib]["time_us"] / mine if mine else None
+
+
+def torchring_beside(row: dict, lib: str) -> float | None:
+    """torchring's time (µs) in the processes that timed `lib`, a cell of the row."""
+    return row[lib].get("torchring_us") or row.get("torchring", {}).get("time_us")
+
+
+def time_columns(libs: list[str]) -> list[str]:
+    """The time columns: each library, and after impi the torchring of impi's own world
+    ('torchring@impi', what impi / torchring divides by)."""
+    return [col for lib in libs for col in ([lib, "torchring@impi"] if lib == "impi" else [lib])]
+
+
+def time_us(row: dict, column: str) -> float | None:
+    """One time column's cell of a row (µs), None where it did not run."""
+    if column == "torchring@impi":
+        return torchring_beside(row, "impi") if "impi" in row else None
+    return row[column]["time_us"] if column in row else None
 
 
 def wrong_in(row: dict, libs: list[str]) -> int:
@@ -55,17 +74,17 @@ def main(paths: list[str]) -> None:
     print(f"{len(runs)} runs; {machine.get('cpu')}, {machine.get('cores')} cores; {machine.get('versions', '')}; "
           f"load averages {[round(r['machine']['loadavg'][0], 2) for r in runs]}")
     print()
-    head = ["world", "dtype", "size"] + [f"{lib} µs" for lib in libs]
+    head = ["world", "dtype", "size"] + [f"{col} µs" for col in time_columns(libs)]
     head += ["best peer / torchring [min..max]"] + (["impi / torchring [min..max]"] if "impi" in libs else [])
     head += ["model fraction", "slowest/median", "#wrong"]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for (world, dtype, size), rows in sorted(points.items()):
         cells = [f"{world}{' (over)' if world in oversubscribed else ''}", dtype, fmt_size(size)]
-        for lib in libs:
-            times = [r[lib]["time_us"] for r in rows if lib in r]
+        for col in time_columns(libs):
+            times = [t for r in rows if (t := time_us(r, col)) is not None]
             if not times:
                 cells.append("n/a")
-            elif lib == "torchring":
+            elif col == "torchring":
                 cells.append(f"{statistics.median(times):.1f} [{min(times):.1f}..{max(times):.1f}]")
             else:
                 cells.append(f"{statistics.median(times):.1f}")
