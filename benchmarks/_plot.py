@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-COLORS = {"torchring": "C0", "torchring-shm": "C1", "gloo": "C2", "mpi": "C3", "deepspeed": "C4"}
+COLORS = {"torchring": "C0", "torchring-shm": "C1", "gloo": "C2", "mpi": "C3", "deepspeed": "C4", "impi": "C5"}
 
 
 def draw(rows: list[dict[str, Any]], libs: list[str], path: str, title: str) -> None:

