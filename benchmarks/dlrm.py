@@ -12,7 +12,9 @@ looked up). Each rank (torch.set_num_threads(1)) joins torch.distributed with
 init_process_group("torchring"), a second group of the same ranks with backend "gloo", and trains
 two copies of one model (seed 0), DDP on each group, on the same per-rank batches:
 
-  compute        no DDP: every rank steps its own copy (the floor: no communication at all)
+  compute        no DDP: every rank steps its own copy (no communication at all)
+  ddp_floor      DDP on the gloo group with a communication hook that returns each bucket
+                 untouched: DDP's own cost (its sparse buckets too) with no communication
   ddp_gloo       DistributedDataParallel(model, process_group=<the gloo group>)
   ddp_torchring  DistributedDataParallel(model) on the default (torchring) group
 
@@ -43,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _harness import (common_args, finish, machine_info, max_over_ranks, oversubscribed, parse_args,  # noqa: E402
                       print_header, rank_env, reporting, run_world)
 
-CONFIGS = ("compute", "ddp_gloo", "ddp_torchring")
+CONFIGS = ("compute", "ddp_floor", "ddp_gloo", "ddp_torchring")
 PARTS = ("forward", "backward", "optimizer")
 
 
@@ -92,6 +94,17 @@ def _steps(model: nn.Module, opt: Any, batch: tuple, n: int, barrier: Any) -> li
     return out
 
 
+def _no_comm(model: Any) -> Any:
+    """DDP whose communication hook hands each bucket back untouched (dense or sparse)."""
+    def hook(_state, bucket):  # no annotations: DDP checks them against the real classes
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    model.register_comm_hook(None, hook)
+    return model
+
+
 def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any) -> None:
     os.environ.update(rank_env(rank, world, port))
     with reporting(rank, queue):
@@ -106,6 +119,7 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, queue
         torch.manual_seed(0)
         base = Dlrm(args.tables, args.rows, args.dim, args.dense)
         models = {"compute": Dlrm(args.tables, args.rows, args.dim, args.dense),
+                  "ddp_floor": _no_comm(DDP(Dlrm(args.tables, args.rows, args.dim, args.dense), process_group=gloo)),
                   "ddp_gloo": DDP(Dlrm(args.tables, args.rows, args.dim, args.dense), process_group=gloo),
                   "ddp_torchring": DDP(Dlrm(args.tables, args.rows, args.dim, args.dense))}
         for m in models.values():  # the same start everywhere (DDP's own broadcast came before)
@@ -126,7 +140,8 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, queue
             if rank == 0:
                 queue.put(("row", {"round": round_, "params": params, "times": times}))
         # Both DDP copies took the same steps on the same batches: their parameters must agree.
-        flat = {k: torch.cat([p.detach().reshape(-1) for p in models[k].parameters()]) for k in CONFIGS[1:]}
+        flat = {k: torch.cat([p.detach().reshape(-1) for p in models[k].parameters()])
+                for k in ("ddp_gloo", "ddp_torchring")}
         diff = float((flat["ddp_gloo"] - flat["ddp_torchring"]).abs().max())
         low, high = flat["ddp_torchring"].clone(), flat["ddp_torchring"].clone()
         dist.all_reduce(low, op=dist.ReduceOp.MIN, group=gloo)
@@ -162,16 +177,17 @@ def main() -> None:
     rounds = [r for r in rows if "times" in r]
     check = next(r for r in rows if r.get("check"))
     print(f"\nmodel: {rounds[0]['params'] / 1e6:.1f}M parameters; medians over {len(rounds)} rounds\n")
-    print("| config | step (ms) | forward | backward (with comm) | optimizer | samples/s | vs ddp_gloo |")
-    print("|---|---|---|---|---|---|---|")
+    print("| config | step (ms) | forward | backward (with comm) | optimizer | samples/s | vs ddp_gloo | vs ddp_floor |")
+    print("|---|---|---|---|---|---|---|---|")
     summary: dict[str, Any] = {}
     for name in CONFIGS:
         med = {k: statistics.median(r["times"][name][k] for r in rounds) * 1e3 for k in ("step",) + PARTS}
         ratio = statistics.median(r["times"][name]["step"] / r["times"]["ddp_gloo"]["step"] for r in rounds)
+        floor = statistics.median(r["times"][name]["step"] / r["times"]["ddp_floor"]["step"] for r in rounds)
         rate = args.batch * args.world / (med["step"] / 1e3)
-        summary[name] = {**med, "samples_per_s": rate, "vs_ddp_gloo": ratio}
+        summary[name] = {**med, "samples_per_s": rate, "vs_ddp_gloo": ratio, "vs_ddp_floor": floor}
         print(f"| {name} | {med['step']:.1f} | {med['forward']:.1f} | {med['backward']:.1f} | "
-              f"{med['optimizer']:.1f} | {rate:.0f} | {ratio:.3f}x |")
+              f"{med['optimizer']:.1f} | {rate:.0f} | {ratio:.3f}x | {floor:.3f}x |")
     ok = check["differing_between_ranks"] == 0 and (check["max_abs_diff"] == 0 or args.world > 2)
     print(f"\ncheck: ddp_torchring vs ddp_gloo max |diff| {check['max_abs_diff']:.3g}, elements differing "
           f"between ranks {check['differing_between_ranks']}: {'ok' if ok else 'FAILED'}")
