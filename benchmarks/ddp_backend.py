@@ -69,6 +69,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _harness import (common_args, finish, machine_info, max_over_ranks, oversubscribed, parse_args,  # noqa: E402
                       print_header, rank_env, reporting, run_world, sum_over_ranks)
 from _models import mlp, timed_steps  # noqa: E402
+from _sync_checks import differing_between_ranks, flat_params, no_comm, ratio  # noqa: E402
 from _sizes import fmt_size, parse_size  # noqa: E402
 
 SECTIONS = ("step", "latency")
@@ -77,32 +78,6 @@ SYNCED = ("ddp_gloo", "ddp_torchring", "wrap")
 LAT_LIBS = ("direct", "backend", "backend_raw", "direct_async", "backend_async", "gloo")
 DEFAULT_SIZES = "4,64,1K,4K,16K,64K"
 RTOL, ATOL = 1e-5, 1e-7
-
-
-def _flat_params(model: nn.Module) -> torch.Tensor:
-    """The model's parameters, in order, as one flat float32 tensor (a copy)."""
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
-def _differing_between_ranks(flat: torch.Tensor, group: Any) -> int:
-    """Elements of `flat` not bitwise equal on every rank of `group` (the same on every rank)."""
-    import torch.distributed as dist
-
-    low, high = flat.clone(), flat.clone()
-    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
-    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
-    return int((low != high).sum())
-
-
-def _no_comm(model: Any) -> Any:
-    """DDP whose communication hook returns each bucket untouched: DDP's own cost, no allreduce."""
-    def hook(_state, bucket):  # no annotations: DDP checks them against the real classes, not strings
-        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        fut.set_result(bucket.buffer())
-        return fut
-
-    model.register_comm_hook(None, hook)
-    return model
 
 
 def step_section(rank: int, args: argparse.Namespace, gloo: Any, queue: Any) -> None:
@@ -116,7 +91,7 @@ def step_section(rank: int, args: argparse.Namespace, gloo: Any, queue: Any) -> 
         "compute": lambda: mlp(args.width),
         "ddp_gloo": lambda: DistributedDataParallel(mlp(args.width), process_group=gloo),
         "ddp_torchring": lambda: DistributedDataParallel(mlp(args.width)),
-        "ddp_floor": lambda: _no_comm(DistributedDataParallel(mlp(args.width), process_group=gloo)),
+        "ddp_floor": lambda: no_comm(DistributedDataParallel(mlp(args.width), process_group=gloo)),
         "wrap": lambda: torchring.wrap(mlp(args.width)),
     }
     order = [c for c in STEP_CONFIGS if c in args.configs]
@@ -136,10 +111,10 @@ def step_section(rank: int, args: argparse.Namespace, gloo: Any, queue: Any) -> 
                                "rank0_faults": faults}))
     # The check: every configuration has now taken the same steps on the same per-rank batches.
     check: dict[str, Any] = {"section": "step_check", "differing_between_ranks": {}, "vs_ddp_gloo": {}}
-    ref = _flat_params(models["ddp_gloo"]) if "ddp_gloo" in models else None
+    ref = flat_params(models["ddp_gloo"]) if "ddp_gloo" in models else None
     for name in order:
-        flat = _flat_params(models[name])
-        check["differing_between_ranks"][name] = _differing_between_ranks(flat, gloo)
+        flat = flat_params(models[name])
+        check["differing_between_ranks"][name] = differing_between_ranks(flat, gloo)
         if ref is not None and name != "ddp_gloo":  # compute: the control, which must differ
             diff = torch.tensor([float((flat - ref).abs().max()),
                                  float(not torch.allclose(flat, ref, rtol=RTOL, atol=ATOL)),
@@ -249,12 +224,6 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, queue
         dist.destroy_process_group()
 
 
-def _ratio(rows: list[dict], a: str, b: str) -> float | None:
-    """Median over rounds of step time a / step time b (None when either did not run)."""
-    pairs = [(r["step_s"][a], r["step_s"][b]) for r in rows if a in r["step_s"] and b in r["step_s"]]
-    return statistics.median(x / y for x, y in pairs) if pairs else None
-
-
 def _print_step_summary(rows: list[dict], check: dict | None, names: list[str]) -> dict[str, Any]:
     """The step table over rounds, the ratios and the check; returns the summary for --json."""
     print(f"\nmodel: {rows[0]['params'] / 1e6:.2f}M parameters; medians over {len(rows)} rounds\n")
@@ -264,13 +233,13 @@ def _print_step_summary(rows: list[dict], check: dict | None, names: list[str]) 
     for n in names:
         med = statistics.median(r["step_s"][n] for r in rows) * 1e3
         summary["step_ms"][n] = med
-        vs_c, vs_g = _ratio(rows, n, "compute"), _ratio(rows, n, "ddp_gloo")
+        vs_c, vs_g = ratio(rows, n, "compute"), ratio(rows, n, "ddp_gloo")
         faults = statistics.median(r["rank0_faults"][n] for r in rows)
         print(f"| {n} | {med:.1f} | {'' if vs_c is None else f'{vs_c:.3f}x'} | "
               f"{'' if vs_g is None else f'{vs_g:.3f}x'} | {faults:.0f} |")
     wanted = [("ddp_torchring", "ddp_gloo"), ("ddp_floor", "ddp_gloo"), ("wrap", "ddp_gloo"), ("ddp_torchring", "wrap"),
               ("ddp_torchring", "compute"), ("ddp_gloo", "compute"), ("wrap", "compute")]
-    ratios = {f"{a}/{b}": _ratio(rows, a, b) for a, b in wanted}
+    ratios = {f"{a}/{b}": ratio(rows, a, b) for a, b in wanted}
     summary["ratios"] = {k: v for k, v in ratios.items() if v is not None}
     print("\n" + ", ".join(f"{k} = {v:.3f}" for k, v in summary["ratios"].items()) +
           " (step times, medians of per-round ratios)")

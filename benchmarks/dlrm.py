@@ -44,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _harness import (common_args, finish, machine_info, max_over_ranks, oversubscribed, parse_args,  # noqa: E402
                       print_header, rank_env, reporting, run_world)
+from _sync_checks import no_comm  # noqa: E402
 
 CONFIGS = ("compute", "ddp_floor", "ddp_gloo", "ddp_torchring")
 PARTS = ("forward", "backward", "optimizer")
@@ -94,17 +95,6 @@ def _steps(model: nn.Module, opt: Any, batch: tuple, n: int, barrier: Any) -> li
     return out
 
 
-def _no_comm(model: Any) -> Any:
-    """DDP whose communication hook hands each bucket back untouched (dense or sparse)."""
-    def hook(_state, bucket):  # no annotations: DDP checks them against the real classes
-        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        fut.set_result(bucket.buffer())
-        return fut
-
-    model.register_comm_hook(None, hook)
-    return model
-
-
 def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any) -> None:
     os.environ.update(rank_env(rank, world, port))
     with reporting(rank, queue):
@@ -119,7 +109,7 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, queue
         torch.manual_seed(0)
         base = Dlrm(args.tables, args.rows, args.dim, args.dense)
         models = {"compute": Dlrm(args.tables, args.rows, args.dim, args.dense),
-                  "ddp_floor": _no_comm(DDP(Dlrm(args.tables, args.rows, args.dim, args.dense), process_group=gloo)),
+                  "ddp_floor": no_comm(DDP(Dlrm(args.tables, args.rows, args.dim, args.dense), process_group=gloo)),
                   "ddp_gloo": DDP(Dlrm(args.tables, args.rows, args.dim, args.dense), process_group=gloo),
                   "ddp_torchring": DDP(Dlrm(args.tables, args.rows, args.dim, args.dense))}
         for m in models.values():  # the same start everywhere (DDP's own broadcast came before)

@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _harness import (common_args, finish, machine_info, oversubscribed, print_header,  # noqa: E402
                       rank_env, reporting, run_world)
+from _sync_checks import ratio  # noqa: E402
 
 CONFIGS = ("compute", "hvd", "wrap", "ddp")
 SYNCED = ("hvd", "wrap", "ddp")
@@ -163,12 +164,6 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, queue
         dist.destroy_process_group()
 
 
-def _ratio(rows: list[dict], a: str, b: str) -> float | None:
-    """Median over rounds of images/s of a / images/s of b (None when either did not run)."""
-    pairs = [(r["images_s"][a], r["images_s"][b]) for r in rows if a in r["images_s"] and b in r["images_s"]]
-    return statistics.median(x / y for x, y in pairs) if pairs else None
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world", type=int, default=2, help="ranks (default 2)")
@@ -216,10 +211,10 @@ def main() -> None:
     for n in names:
         med = statistics.median(r["images_s"][n] for r in rows)
         summary["images_s"][n] = med
-        vs = _ratio(rows, n, "compute")
+        vs = ratio(rows, n, "compute", "images_s")
         print(f"| {n} | {med:.1f} | {med / args.world:.1f} | {'' if vs is None else f'{vs:.3f}x'} |")
     wanted = [("hvd", "wrap"), ("hvd", "ddp"), ("wrap", "ddp"), ("hvd", "compute"), ("wrap", "compute")]
-    ratios = {f"{a}/{b}": _ratio(rows, a, b) for a, b in wanted}
+    ratios = {f"{a}/{b}": ratio(rows, a, b, "images_s") for a, b in wanted}
     summary["ratios"] = {k: v for k, v in ratios.items() if v is not None}
     print("\n" + ", ".join(f"{k} = {v:.3f}" for k, v in summary["ratios"].items()) +
           " (images/s, medians of per-round ratios)")

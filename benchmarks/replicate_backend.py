@@ -52,6 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _harness import (common_args, finish, machine_info, max_over_ranks, oversubscribed, parse_args,  # noqa: E402
                       print_header, rank_env, reporting, run_world)
 from _models import mlp, timed_steps  # noqa: E402
+from _sync_checks import differing_between_ranks, flat_params, ratio  # noqa: E402
 
 CONFIGS = ("compute", "replicate_floor", "replicate_gloo", "replicate_torchring", "fsdp_floor", "fsdp_gloo",
            "fsdp_torchring")
@@ -72,34 +73,16 @@ def _apply(api: str, model: nn.Module, mesh: Any) -> nn.Module:
     return fn(model, mesh=mesh)
 
 
-def _flat_params(model: nn.Module) -> torch.Tensor:
-    """The model's full parameters, in order, as one flat float32 tensor (a copy)."""
-    from torch.distributed.tensor import DTensor
-
-    return torch.cat([(p.full_tensor() if isinstance(p, DTensor) else p).detach().reshape(-1)
-                      for p in model.parameters()])
-
-
-def _differing_between_ranks(flat: torch.Tensor, group: Any) -> int:
-    """Elements of ``flat`` not bitwise equal on every rank of ``group`` (the same on every rank)."""
-    import torch.distributed as dist
-
-    low, high = flat.clone(), flat.clone()
-    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
-    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
-    return int((low != high).sum())
-
-
 def _check(models: dict[str, nn.Module], gloo: Any) -> dict[str, Any]:
     """The parameter check of the docstring; the same dict on every rank."""
     import torch.distributed as dist
 
-    flats = {name: _flat_params(m) for name, m in models.items()}
+    flats = {name: flat_params(m) for name, m in models.items()}
     check: dict[str, Any] = {"section": "check", "differing_between_ranks": {}, "vs_gloo": {}}
     for name, flat in flats.items():
         if name.endswith("_floor"):
             continue  # each rank trained alone, like compute, but compute is the control
-        check["differing_between_ranks"][name] = _differing_between_ranks(flat, gloo)
+        check["differing_between_ranks"][name] = differing_between_ranks(flat, gloo)
     for name, twin in TWINS.items():
         if name in flats and twin in flats:
             a, b = flats[name], flats[twin]
@@ -156,12 +139,6 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, queue
         dist.destroy_process_group()
 
 
-def _ratio(rows: list[dict], a: str, b: str) -> float | None:
-    """Median over rounds of step time a / step time b (None when either did not run)."""
-    pairs = [(r["step_s"][a], r["step_s"][b]) for r in rows if a in r["step_s"] and b in r["step_s"]]
-    return statistics.median(x / y for x, y in pairs) if pairs else None
-
-
 def _summary(rows: list[dict], check: dict, names: list[str]) -> dict[str, Any]:
     """Prints the table over rounds, the ratios, the floors and the check; returns them for --json."""
     print(f"\nmodel: {rows[0]['params'] / 1e6:.2f}M parameters; medians over {len(rows)} rounds\n")
@@ -171,7 +148,7 @@ def _summary(rows: list[dict], check: dict, names: list[str]) -> dict[str, Any]:
     for n in names:
         med = statistics.median(r["step_s"][n] for r in rows) * 1e3
         out["step_ms"][n] = med
-        vs_c, vs_g = _ratio(rows, n, "compute"), _ratio(rows, n, n.split("_")[0] + "_gloo")
+        vs_c, vs_g = ratio(rows, n, "compute"), ratio(rows, n, n.split("_")[0] + "_gloo")
         faults = statistics.median(r["rank0_faults"][n] for r in rows)
         print(f"| {n} | {med:.1f} | {'' if vs_c is None else f'{vs_c:.3f}x'} | "
               f"{'' if vs_g is None or n == 'compute' else f'{vs_g:.3f}x'} | {faults:.0f} |")
@@ -179,7 +156,7 @@ def _summary(rows: list[dict], check: dict, names: list[str]) -> dict[str, Any]:
         pairs = [(f"{api}_torchring", f"{api}_gloo"), (f"{api}_floor", f"{api}_gloo"),
                  (f"{api}_torchring", f"{api}_floor"), (f"{api}_gloo", "compute"), (f"{api}_floor", "compute")]
         for a, b in pairs:
-            r = _ratio(rows, a, b)
+            r = ratio(rows, a, b)
             if r is not None:
                 out["ratios"][f"{a}/{b}"] = r
     print("\n" + ", ".join(f"{k} = {v:.3f}" for k, v in out["ratios"].items()) +
