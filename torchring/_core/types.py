@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import enum
 import functools
+import time
 from typing import Any, Callable, NamedTuple, TypeVar
 
 import torch
 
-__all__ = ["ReduceOp", "Handle"]
+__all__ = ["ReduceOp", "Handle", "Works"]
 
 
 class ReduceOp(enum.IntEnum):
@@ -196,6 +197,35 @@ def profiled(fn: F, name: str = "") -> F:
             return fn(*args, **kwargs)
 
     return run  # type: ignore[return-value]
+
+
+class Works:
+    """Several engine Works waited for as one, under one deadline: what a Handle holds for an
+    operation made of several (allreduce_many of several dtypes, a sparse allreduce)."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+        self.seq = works[0].seq if works else -1
+
+    def _each(self, method: str, timeout: float) -> list[Any]:
+        deadline = time.monotonic() + timeout if timeout > 0 else None
+        results = []
+        for work in self.works:  # a timeout of 0 waits for ever, so a spent deadline waits 1 us
+            left = 0.0 if deadline is None else max(deadline - time.monotonic(), 1e-6)
+            results.append(getattr(work, method)(left))
+        return results
+
+    def wait(self, timeout: float = 0.0) -> list[Any]:
+        """Every work's result, in order."""
+        return self._each("wait", timeout)
+
+    def synchronize(self, timeout: float = 0.0) -> list[Any]:
+        """Like wait(); device work is also finished on the device."""
+        return self._each("synchronize", timeout)
+
+    def is_completed(self) -> bool:
+        """True once every work finished."""
+        return all(work.is_completed() for work in self.works)
 
 
 class Handle:

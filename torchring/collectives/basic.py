@@ -23,7 +23,6 @@ share are in _checks.py.
 from __future__ import annotations
 
 import pickle
-import time
 from typing import Any, Callable
 
 import torch
@@ -114,29 +113,6 @@ def _run(kind: OpKind, t: torch.Tensor, op: int, root: int, inline: bool, what: 
     if nccl and _gpu_path.path() == "nccl" and nccl_runs(kind, t.dtype, tg.is_world, bool(kw), op):
         return _nccl(kind, t, op, root, what)
     return _staged(kind, t, op, root, inline, what, tg, **kw)
-
-
-class _Works:
-    """Several engine Works waited for as one (allreduce_many of several dtypes)."""
-
-    def __init__(self, works: list[Any]) -> None:
-        self.works = works
-        self.seq = works[0].seq if works else -1
-
-    def _each(self, method: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout if timeout > 0 else None
-        for work in self.works:  # a timeout of 0 waits for ever, so a spent deadline waits 1 us
-            left = 0.0 if deadline is None else max(deadline - time.monotonic(), 1e-6)
-            getattr(work, method)(left)
-
-    def wait(self, timeout: float = 0.0) -> None:
-        self._each("wait", timeout)
-
-    def synchronize(self, timeout: float = 0.0) -> None:
-        self._each("synchronize", timeout)
-
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self.works)
 
 
 def _allreduce(tensor: torch.Tensor, op: ReduceOp, prescale: float, postscale: float,

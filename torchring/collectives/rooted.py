@@ -14,9 +14,9 @@ import torch
 
 from .._core.errors import CollectiveMismatchError
 from .._core.group_wiring import GroupBase, Target, target
-from .._core.types import Handle, OpKind, ReduceOp, describe, dtype_name, profiled
+from .._core.types import Handle, OpKind, ReduceOp, Works, describe, dtype_name, profiled
 from . import _checks
-from .basic import _host, _run, _submit, _Works, rows_of
+from .basic import _host, _run, _submit, rows_of
 
 __all__ = [
     "reduce", "reduce_async", "gather", "gather_async", "scatter", "scatter_async",
@@ -243,7 +243,7 @@ def _allreduce_many(tensors: Any, op: ReduceOp, prescale: float, postscale: floa
             t.copy_(h)
         return ts
 
-    return Handle(_Works(works), finish)
+    return Handle(Works(works), finish)
 
 
 @profiled

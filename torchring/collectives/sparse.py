@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .._core.group_wiring import GroupBase, target
-from .._core.types import Handle, OpKind, ReduceOp, describe
+from .._core.types import Handle, OpKind, ReduceOp, Works, describe
 from . import _checks
 
 __all__ = ["is_sparse", "pack", "unpack", "allreduce_async"]
@@ -47,23 +47,6 @@ def _shape_row(t: torch.Tensor) -> torch.Tensor:
 def _shape_text(row: torch.Tensor) -> str:
     sparse_dim, dense_dim, *sizes = row.tolist()
     return f"{sizes} (sparse_dim {sparse_dim}, dense_dim {dense_dim})"
-
-
-class _Gathers:
-    """The three allgathers waited for as one engine operation (the Work interface Handle uses)."""
-
-    def __init__(self, works: list[Any]) -> None:
-        self.works = works
-        self.seq = works[0].seq
-
-    def wait(self, timeout: float = 0.0) -> list[torch.Tensor]:
-        return [work.wait(timeout) for work in self.works]
-
-    def synchronize(self, timeout: float = 0.0) -> list[torch.Tensor]:
-        return self.wait(timeout)
-
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self.works)
 
 
 def allreduce_async(tensor: torch.Tensor, op: ReduceOp, prescale: float, postscale: float,
@@ -99,4 +82,4 @@ def allreduce_async(tensor: torch.Tensor, op: ReduceOp, prescale: float, postsca
         tensor.copy_(total.to(tensor.device))
         return tensor
 
-    return Handle(_Gathers(works), finish)
+    return Handle(Works(works), finish)
