@@ -23,6 +23,7 @@ from .collectives.rooted import (allgather_into, allgather_into_async, allreduce
 from ._wrap.memory import empty
 from ._wrap.model import DistributedModel, wrap
 from ._wrap.sync_batch_norm import SyncBatchNorm
+from .trace import dump_trace
 
 c10d.register()  # dist.init_process_group("torchring") from here on (nothing is built yet)
 
@@ -30,7 +31,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
-    "transport", "TorchringError", "CommunicatorFailedError",
+    "transport", "dump_trace", "TorchringError", "CommunicatorFailedError",
     "CollectiveMismatchError", "WaitTimeoutError", "ReduceOp", "Handle", "allreduce", "allreduce_async",
     "broadcast", "broadcast_async", "allgather", "allgather_async", "reduce_scatter",
     "reduce_scatter_async", "barrier", "barrier_async", "broadcast_object",

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from ._core import build as _build, env as _env, rendezvous as _rendezvous
 from ._core.settings import Settings
+from .trace import recorder as _recorder
 
 __all__ = ["register", "connect_backend", "BACKEND_NAME"]
 
@@ -45,13 +46,24 @@ def _create(options: Any, pg_options: Any = None) -> Any:
     ranks = list(getattr(options, "global_ranks_in_group", []) or [])
     size = int(options.group_size)
     world = dist.get_world_size() if dist.is_initialized() else size
-    label = _label(str(getattr(options, "group_id", "")), ranks, max(world, size))
-    return connect_backend(options.store, int(options.group_rank), size, timeout, label)[0]
+    group_id = str(getattr(options, "group_id", ""))
+    label = _label(group_id, ranks, max(world, size))
+    desc = str(getattr(options, "group_desc", "") or ("default_pg" if group_id in ("0", "") else "group"))
+    backend = connect_backend(options.store, int(options.group_rank), size, timeout, label,
+                              trace=(f"c10d:{group_id or '0'}", desc, ranks))[0]
+    if not dist.is_initialized():  # the default group: its ranks are the world's
+        settings = Settings.from_env(os.environ)
+        job_id = settings.job_id or _env.detect().job_id
+        _recorder.arm(_build.load(), int(options.group_rank), size, settings.hostname or socket.gethostname(),
+                      settings.trace_directory(job_id), timeout or settings.timeout)
+    return backend
 
 
 def connect_backend(store: Any, rank: int, size: int, timeout: float | None, label: str = "",
-                    store_host: str | None = None) -> tuple[Any, Any]:
-    """(C++ c10d backend, its engine Communicator) for one group of `size` ranks met through `store`."""
+                    store_host: str | None = None,
+                    trace: tuple[str, str, list[int]] = ("c10d", "", [])) -> tuple[Any, Any]:
+    """(C++ c10d backend, its engine Communicator) for one group of `size` ranks met through `store`;
+    `trace` is the group's (name, description, world ranks) in flight-recorder dumps."""
     settings = Settings.from_env(os.environ)
     if timeout is not None:
         settings = dataclasses.replace(settings, timeout=float(timeout))
@@ -63,7 +75,8 @@ def connect_backend(store: Any, rank: int, size: int, timeout: float | None, lab
     # The group's arena (reserved, committed only as used) holds the tensors it all_reduces again
     # and again, DDP's buckets: their all_reduces are then zero-copy (csrc/c10d/backend_arena.cpp).
     comm = _rendezvous.connect(engine, store, "torchring/", rank, size, settings, host, master_addr,
-                               secret_from="the group's rank 0", label=label).comm
+                               secret_from="the group's rank 0", label=label, trace_name=trace[0],
+                               trace_desc=trace[1], trace_ranks=list(trace[2])).comm
     return engine.make_c10d_backend(comm, rank, size, label), comm
 
 

@@ -12,6 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "torchring"
 # modules inside one folder may import each other, never in a circle. A new module belongs in
 # a folder of this table (or, for a public entry point, beside them).
 LAYERS = [
+    {"trace"},                             # the flight recorder's dumps and their diagnosis
     {"_core"},                             # settings, env, errors, log, types, build, context, ...
     {"cuda", "build", "c10d"},             # public entry points on the core
     {"collectives", "launch"},             # the collectives API and groups; the launcher
@@ -22,7 +23,7 @@ LAYERS = [
 ]
 
 # Folders whose modules may import each other (never in a circle).
-PACKAGES = ("_core", "collectives", "_wrap", "launch", "data", "elastic", "horovod")
+PACKAGES = ("trace", "_core", "collectives", "_wrap", "launch", "data", "elastic", "horovod")
 
 
 def _modules() -> dict[str, Path]:

@@ -2,7 +2,8 @@
 
 init() reads the launcher's environment (_env) and the settings (_settings), builds or loads
 the engine (_build), meets the other ranks through the store and wires the communicator up
-(_rendezvous), then chooses the GPU path (_gpu_path).
+(_rendezvous), arms the flight recorder's dumps (torchring/trace), then chooses the GPU path
+(_gpu_path).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..trace import recorder as _recorder
 from . import build as _build, env as _env, gpu_path as _gpu_path, rendezvous as _rendezvous
 from .settings import Settings
 
@@ -98,6 +100,7 @@ def init(timeout: float | None = None, membership: tuple[int, int, int] | None =
                     master_addr=launch.master_addr, host_groups=groups,
                     allreduce_now=engine.allreduce_now_function(comm))
     _last_settings = settings
+    _recorder.arm(engine, rank, world, host, settings.trace_directory(job_id), settings.timeout)
     # At exit, a job that never called shutdown() still lets its last GPU collectives finish
     # and stops the NCCL watchdog before the CUDA runtime unloads (registered once).
     atexit.unregister(shutdown)

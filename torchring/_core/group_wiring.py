@@ -212,6 +212,7 @@ def create(cls: type[G], ranks: Any) -> G:
     label = f"group {gid} of world ranks {ranks_text(members)} (the ranks in this message are group ranks): "
     comm = _rendezvous.connect(state.engine, state.store, prefix, grank, len(members), settings,
                                state.host, state.master_addr, secret=state.secret, groups=hosts,
-                               arena_bytes=0, label=label).comm
+                               arena_bytes=0, label=label, trace_name=f"group{gid}",
+                               trace_desc="torchring.new_group", trace_ranks=list(members)).comm
     state.groups[gid] = comm
     return cls(gid, members, state, comm)

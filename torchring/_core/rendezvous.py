@@ -145,6 +145,7 @@ def communicator(engine: Any, rank: int, world: int, groups: list[list[int]], se
     options.staging_stores = ("auto", "cached", "streaming").index(settings.shm_stores)
     options.spin_iters = settings.spin_iters(len(my_group), _env.available_cpus())
     options.spin_auto = settings.spin is None
+    options.trace_entries = settings.trace
     word, _, levels = settings.algo.partition(":")
     options.algo, options.levels = list(engine.ALGOS).index(word), int(levels or 0)
     for field, value in overrides.items():

@@ -25,6 +25,7 @@ import dataclasses
 import ipaddress
 import math
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -56,6 +57,8 @@ class Settings:
     ssh: str | None = None           # TORCHRING_SSH: None = `ssh` (torchring-run -H's client command)
     elastic_dir: str | None = None   # TORCHRING_ELASTIC_DIR: None = one per run under the temp dir
     min_np: int = 1                  # TORCHRING_MIN_NP: a re-formed world needs this many ranks
+    trace: int = 2000                # TORCHRING_TRACE: operations the flight recorder keeps (0: off)
+    trace_dir: str | None = None     # TORCHRING_TRACE_DIR: None = one per job under the temp dir
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Settings:
@@ -88,6 +91,14 @@ class Settings:
         if self.spin is not None:
             return self.spin
         return 20000 if ranks_here <= cpus else 0
+
+    def trace_directory(self, job_id: str) -> Path:
+        """Where the flight recorder's dumps go: TORCHRING_TRACE_DIR, else torchring-trace/<job>
+        under the temporary directory."""
+        if self.trace_dir:
+            return Path(_home(self.trace_dir, os.environ))
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in job_id) or "job"
+        return Path(tempfile.gettempdir()) / "torchring-trace" / safe
 
 
 def cache_dir(env: Mapping[str, str]) -> Path:
@@ -236,6 +247,8 @@ _VARIABLES = (
     _Variable("TORCHRING_ELASTIC_DIR", "elastic_dir", text,
               "(a directory per run under the temporary directory)"),
     _Variable("TORCHRING_MIN_NP", "min_np", _integer(1, 1 << 20, "number of ranks"), "1"),
+    _Variable("TORCHRING_TRACE", "trace", _integer(0, 1 << 20, "number of operations (0: off)"), "2000"),
+    _Variable("TORCHRING_TRACE_DIR", "trace_dir", text, "(torchring-trace/<job id> under the temporary directory)"),
 )
 # What cache_dir() reads.
 _PATH_VARIABLES = ("TORCHRING_CACHE_DIR", "XDG_CACHE_HOME", "HOME")

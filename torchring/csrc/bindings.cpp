@@ -19,6 +19,11 @@ namespace py = pybind11;
 namespace torchring {
 void bindTesting(py::module_& m);  // bindings_testing.cpp
 void bindSchedules(py::module_& m);  // bindings_schedule.cpp
+void bindTrace(py::module_& m);  // bindings_trace.cpp
+// Records the caller's Python frame for the calling thread's next operation on `comm` (while
+// the flight recorder takes frames), looking from `depth` calls out (1: past the Python
+// function that called the binding); call with the GIL held (bindings_trace.cpp).
+void noteCaller(const Communicator& comm, int depth = 0);
 }  // namespace torchring
 
 using torchring::CommOptions;
@@ -54,6 +59,7 @@ PyObject* allreduceNowFast(PyObject* self, PyObject* const* args, Py_ssize_t nar
   if (op == -1 && PyErr_Occurred()) return nullptr;
   const at::Tensor& tensor = THPVariable_Unpack(args[0]);
   bool ran = false;
+  torchring::noteCaller(**comm, 1);  // past torchring.allreduce, which called this
   try {
     py::gil_scoped_release release;
     ran = (*comm)->allreduceNow(tensor, static_cast<int>(op));
@@ -180,7 +186,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }
   m.attr("OP_SPECS") = opSpecs;
   torchring::bindTesting(m);  // the unit tests' entry points (bindings_testing.cpp)
-  torchring::bindSchedules(m);  // the cross-host schedules and cost model (bindings_schedule.cpp)
+  torchring::bindSchedules(m);
+  torchring::bindTrace(m);  // the flight recorder (bindings_trace.cpp)  // the cross-host schedules and cost model (bindings_schedule.cpp)
   namespace gradpool = torchring::gradpool;
   m.def("grad_pool_install", &gradpool::install, py::arg("limit_bytes"));
   m.def("grad_pool_begin", &gradpool::begin);
@@ -229,6 +236,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                      "busy-wait iterations before a waiting rank sleeps")
       .def_readwrite("secret", &CommOptions::secret, "per-job token every TCP handshake presents")
       .def_readwrite("label", &CommOptions::label, "put in front of failure messages (a group's)")
+      .def_readwrite("trace_entries", &CommOptions::traceEntries, "operations the flight recorder keeps (0: none)")
+      .def_readwrite("trace_name", &CommOptions::traceName, "the group's name in flight-recorder dumps")
+      .def_readwrite("trace_desc", &CommOptions::traceDesc, "the group's description in flight-recorder dumps")
+      .def_readwrite("trace_ranks", &CommOptions::traceRanks, "the group's world ranks in dumps (empty: all)")
       .def_readwrite("one_shot_bytes", &CommOptions::oneShotBytes,
                      "internal, for tests: largest staged shared-memory allreduce run one-shot")
       .def_readwrite("staging_stores", &CommOptions::stagingStores,
@@ -351,6 +362,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             args.sendSplits = sendSplits.has_value() ? *sendSplits : at::Tensor();
             args.recvSplits = recvSplits.has_value() ? *recvSplits : at::Tensor();
             args.recvSplitsKnown = recvSplitsKnown;
+            torchring::noteCaller(c);
             py::gil_scoped_release release;
             return c.submit(static_cast<OpKind>(kind), std::move(t), static_cast<ReduceOp>(op), root, runInline,
                             std::move(args));
@@ -359,15 +371,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("out") = py::none(), py::arg("tensors") = std::vector<at::Tensor>(), py::arg("prescale") = 1.0,
           py::arg("postscale") = 1.0, py::arg("send_splits") = py::none(), py::arg("recv_splits") = py::none(),
           py::arg("recv_splits_known") = false)
-      .def("send", &Communicator::send, py::arg("tensor"), py::arg("peer"), py::arg("tag"),
-           py::call_guard<py::gil_scoped_release>())
-      .def("recv", &Communicator::recv, py::arg("tensor"), py::arg("peer"), py::arg("tag"),
-           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "send",
+          [](Communicator& c, at::Tensor tensor, int peer, int64_t tag) {
+            torchring::noteCaller(c);
+            py::gil_scoped_release release;
+            return c.send(std::move(tensor), peer, tag);
+          },
+          py::arg("tensor"), py::arg("peer"), py::arg("tag"))
+      .def(
+          "recv",
+          [](Communicator& c, at::Tensor tensor, int peer, int64_t tag) {
+            torchring::noteCaller(c);
+            py::gil_scoped_release release;
+            return c.recv(std::move(tensor), peer, tag);
+          },
+          py::arg("tensor"), py::arg("peer"), py::arg("tag"))
       .def("listen_p2p", &Communicator::listenP2P, py::arg("bind_addr"), py::call_guard<py::gil_scoped_release>())
       .def("set_p2p_peers", &Communicator::setP2PPeers, py::arg("addrs"), py::arg("ports"))
       .def(
           "submit_check",
           [](Communicator& c, int kind, at::Tensor like, int op, int root) {
+            torchring::noteCaller(c);
             py::gil_scoped_release release;
             return c.submitCheck(static_cast<OpKind>(kind), like, static_cast<ReduceOp>(op), root);
           },

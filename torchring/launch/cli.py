@@ -44,7 +44,7 @@ import torch.distributed.run as torchrun
 
 from .._core import build as _build
 from . import elastic as _elastic_launch, failures as _failures, ssh as _ssh_launch, output as _output, \
-    threads as _threads
+    threads as _threads, trace_report as _trace_report
 from .. import build
 from .._core.settings import DEFAULT_TIMEOUT_S, Settings
 
@@ -344,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     _resolve(parser, args)
     env = rank_env(args)
     os.environ.update(env)  # torch's agent starts the ranks with this process's environment
+    trace_dir = _trace_report.choose_directory(os.environ)
     if _elastic(args):  # workers supervised here: a failed one does not stop the others
         plan = _resolve_elastic(parser, args)
         plan.env.update(env)
@@ -368,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     where = "" if not args.rank0_only else " if it was rank 0 (--rank0-only)"
     return _failures.run_agent(
         launch, _output.rank_output(args),
-        failed=lambda what: f"torchring-run: the job failed: {what}; its output is above{where}",
+        failed=lambda what: "\n".join(filter(None, [
+            f"torchring-run: the job failed: {what}; its output is above{where}", _trace_report.report(trace_dir)])),
         stopped=lambda sig: f"torchring-run: stopped by signal {sig}; every rank was stopped")
 
 

@@ -27,9 +27,11 @@ def test_members_check_every_ranks_list_then_wire_their_own_communicator(
     g = torchring.new_group([3, 1])
     assert (g.id, g.ranks, g.rank(), g.size(), g.is_member) == (1, (1, 3), 1, 2, True)
     assert _published(w, 1, 3) == [1, 3]
-    # group ranks 0, 1 are world ranks 1, 3: one on each host; no arena for groups
+    # group ranks 0, 1 are world ranks 1, 3: one on each host; no arena for groups; the flight
+    # recorder's dumps name the group and its world ranks
     label = "group 1 of world ranks [1, 3] (the ranks in this message are group ranks): "
-    assert w.made == [(1, 2, [[0], [1]], {"arena_bytes": 0, "label": label})]
+    assert w.made == [(1, 2, [[0], [1]], {"arena_bytes": 0, "label": label, "trace_name": "group1",
+                                          "trace_desc": "torchring.new_group", "trace_ranks": [1, 3]})]
     assert w.wired == [(f"{PREFIX}group/1/", 1, [[0], [1]])]
     assert w.log == ["group1 start"]
     assert w.state.groups == {1: w.comms[0]}
@@ -72,7 +74,9 @@ def test_each_call_is_the_next_group_and_singletons_need_no_peers(monkeypatch: p
     assert (solo.id, solo.rank(), other.id, other.rank()) == (1, 0, 2, -1)
     assert _published(w, 1, 2) == [2] and _published(w, 2, 2) == [1]
     label = "group 1 of world ranks [2] (the ranks in this message are group ranks): "
-    assert w.made == [(0, 1, [[0]], {"arena_bytes": 0, "label": label})] and w.wired == []
+    assert w.made == [(0, 1, [[0]], {"arena_bytes": 0, "label": label, "trace_name": "group1",
+                                     "trace_desc": "torchring.new_group", "trace_ranks": [2]})]
+    assert w.wired == []
     assert w.log == ["group1 start"]
 
 

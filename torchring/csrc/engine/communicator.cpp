@@ -11,11 +11,16 @@
 namespace torchring {
 
 Communicator::Communicator(CommOptions options)
-    : opt_(std::move(options)), forkGeneration_(forkGeneration()) {
+    : opt_(std::move(options)), forkGeneration_(forkGeneration()), recorder_(FlightRecorder::create(opt_.traceEntries)) {
   if (opt_.size < 1 || opt_.rank < 0 || opt_.rank >= opt_.size) {
     throw std::invalid_argument("CommOptions: rank " + std::to_string(opt_.rank) +
                                 " must be in [0, size) with size >= 1, got size " + std::to_string(opt_.size));
   }
+  std::vector<int> traceRanks = opt_.traceRanks;
+  if (traceRanks.empty()) {
+    for (int r = 0; r < opt_.size; ++r) traceRanks.push_back(r);
+  }
+  recorder_->setIdentity(opt_.traceName, opt_.traceDesc, std::move(traceRanks));
   rankHost_.assign(opt_.size, -1);
   rankLocal_.assign(opt_.size, -1);
   for (size_t h = 0; h < opt_.hosts.size(); ++h) {
@@ -214,7 +219,12 @@ OpHeader Communicator::makeHeader(OpKind kind, const at::Tensor& tensor, ReduceO
 
 std::shared_ptr<CpuWork> Communicator::submit(OpKind kind, at::Tensor tensor, ReduceOp op, int root,
                                            bool runInline, OpArgs args) {
-  checkArgs(kind, tensor, op, root, args);
+  try {
+    checkArgs(kind, tensor, op, root, args);
+  } catch (...) {
+    FlightRecorder::clearCallerFrame();  // the frame was the refused call's
+    throw;
+  }
   Op item;
   item.header = makeHeader(kind, tensor, op, root, &args);
   const AllreduceChoice choice = allreduceAlgo(item.header);
@@ -242,14 +252,33 @@ bool Communicator::allreduceNow(const at::Tensor& tensor, int op) {
 
 std::shared_ptr<CpuWork> Communicator::send(at::Tensor tensor, int peer, int64_t tag) {
   checkPeer(tensor, peer, tag, "send");
+  const uint64_t traceId = recordP2P(OpKind::SEND, tensor, peer, tag);
   const auto* data = static_cast<const char*>(tensor.data_ptr());
-  return p2p_->send(peer, tag, data, tensor.nbytes(), tensorText(tensor), tensor);
+  return traced(p2p_->send(peer, tag, data, tensor.nbytes(), tensorText(tensor), tensor), traceId);
 }
 
 std::shared_ptr<CpuWork> Communicator::recv(at::Tensor tensor, int peer, int64_t tag) {
   checkPeer(tensor, peer, tag, "recv");
+  const uint64_t traceId = recordP2P(OpKind::RECV, tensor, peer, tag);
   auto* data = static_cast<char*>(tensor.data_ptr());
-  return p2p_->recv(peer, tag, data, tensor.nbytes(), tensorText(tensor), tensor);
+  return traced(p2p_->recv(peer, tag, data, tensor.nbytes(), tensorText(tensor), tensor), traceId);
+}
+
+uint64_t Communicator::recordP2P(OpKind kind, const at::Tensor& tensor, int peer, int64_t tag) {
+  if (!recorder_->enabled()) return 0;
+  const uint32_t frame = FlightRecorder::callerFrame();
+  OpHeader header = makeHeader(kind, tensor, ReduceOp::SUM, -1);
+  std::lock_guard<std::mutex> lock(mutex_);
+  header.seq = nextP2P_++;
+  return recorder_->record(header, frame, false, true, peer, tag);
+}
+
+std::shared_ptr<CpuWork> Communicator::traced(std::shared_ptr<CpuWork> work, uint64_t traceId) {
+  if (!recorder_->enabled()) return work;
+  recorder_->started(traceId);
+  CpuWork* raw = work.get();  // onDone runs while the work is alive
+  work->onDone([recorder = recorder_, traceId, raw] { recorder->finished(traceId, raw->error().empty()); });
+  return work;
 }
 
 void Communicator::checkPeer(const at::Tensor& tensor, int peer, int64_t tag, const char* what) const {
@@ -293,6 +322,8 @@ void Communicator::onP2PFailure(const std::string& message) {
   if (shm_) shm_->abort(message);
   postFailure(message);  // before the links close (see execute)
   if (tcp_) tcp_->interrupt();
+  recorder_->setFailure(message);
+  FlightRecorder::notifyFailure();
 }
 
 std::shared_ptr<CpuWork> Communicator::submitCheck(OpKind kind, const at::Tensor& like, ReduceOp op,
@@ -305,6 +336,7 @@ std::shared_ptr<CpuWork> Communicator::submitCheck(OpKind kind, const at::Tensor
 
 std::shared_ptr<CpuWork> Communicator::enqueue(Op item, bool runInline) {
   const auto kind = static_cast<OpKind>(item.header.kind);
+  const uint32_t frame = recorder_->enabled() ? FlightRecorder::callerFrame() : 0;
   if (forkGeneration() != forkGeneration_) {
     throw TorchringError("rank " + std::to_string(opt_.rank) + ": " + kindName(kind) +
                          " called in a forked child process (pid " + std::to_string(getpid()) +
@@ -314,11 +346,13 @@ std::shared_ptr<CpuWork> Communicator::enqueue(Op item, bool runInline) {
   }
   std::unique_lock<std::mutex> lock(mutex_);
   item.header.seq = nextSeq_++;
+  item.traceId = recorder_->record(item.header, frame, runInline && queue_.empty() && !busy_ && !stopping_);
   item.work = std::make_shared<CpuWork>(kind, item.header.seq, opt_.rank);
   item.work->setContext(opt_.label);
   auto work = item.work;
   if (stopping_) {
     lock.unlock();
+    recorder_->finished(item.traceId, false);
     work->finish({}, std::make_exception_ptr(TorchringError(
                          rankText() + ": " + kindName(kind) +
                          ": torchring was shut down; call " + kInitCall.torchring + " first")));
@@ -372,9 +406,11 @@ std::string Communicator::failedMessage(const OpHeader& header) const {
 // told (shared-memory abort, ring sockets closed, failure board), and every later operation
 // reports the first failure.
 void Communicator::execute(Op& op) {
+  recorder_->started(op.traceId);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!failure_.empty()) {
+      recorder_->finished(op.traceId, false);
       op.work->finish({}, std::make_exception_ptr(CommFailedError(failedMessage(op.header), kRecoveryHint)));
       return;
     }
@@ -393,6 +429,7 @@ void Communicator::execute(Op& op) {
   } catch (const MismatchError&) {
     if (shm_) shm_->markDone(op.header.seq);
     error = std::current_exception();
+    FlightRecorder::notifyFailure();
   } catch (const std::exception& e) {
     failure = e.what();
     std::lock_guard<std::mutex> lock(mutex_);
@@ -410,7 +447,10 @@ void Communicator::execute(Op& op) {
     if (tcp_) tcp_->close();
     if (p2p_) p2p_->fail(failure);
     error = std::make_exception_ptr(CommFailedError(failure, kRecoveryHint));
+    recorder_->setFailure(failure);
+    FlightRecorder::notifyFailure();
   }
+  recorder_->finished(op.traceId, error == nullptr);
   op.tensor = at::Tensor();
   op.args = OpArgs();
   op.work->finish(std::move(result), error);

@@ -25,6 +25,7 @@
 #include "schedule/cost.h"
 #include "transport/tcp/links.h"
 #include "core/work.h"
+#include "engine/flight_recorder.h"
 
 namespace torchring {
 
@@ -66,8 +67,15 @@ struct CommOptions {
   // For a group's communicator: put in front of its operations' failure messages, e.g.
   // "group 2 of world ranks [0, 2] (the ranks in this message are group ranks): ".
   std::string label;
+  // Operations the flight recorder keeps (engine/flight_recorder.h; 0: none; TORCHRING_TRACE).
+  size_t traceEntries = kDefaultTraceEntries;
+  // What the recorder's dumps call this communicator's group: a name, a description and its
+  // world ranks (empty: 0..size-1).
+  std::string traceName = "world", traceDesc = "torchring world";
+  std::vector<int> traceRanks;
 
   static constexpr size_t kDefaultSegmentBytes = 1 << 20;
+  static constexpr size_t kDefaultTraceEntries = 2000;
 };
 
 // Optional side channel through the rendezvous store: a failing rank posts its message, and
@@ -162,6 +170,8 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   int numHosts() const { return static_cast<int>(opt_.hosts.size()); }
   bool isLeader() const { return localIndex_ == 0; }
   bool hasShm() const { return shm_ != nullptr; }
+  // This communicator's flight recorder (also listed in FlightRecorder::all()).
+  const std::shared_ptr<FlightRecorder>& recorder() const { return recorder_; }
 
  private:
   struct Op {
@@ -169,10 +179,14 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
     at::Tensor tensor;
     OpArgs args;
     std::shared_ptr<CpuWork> work;
+    uint64_t traceId = 0;  // its flight recorder entry
   };
   void checkArgs(OpKind kind, const at::Tensor& tensor, ReduceOp op, int root, const OpArgs& args) const;
   void checkPeer(const at::Tensor& tensor, int peer, int64_t tag, const char* what) const;
   void onP2PFailure(const std::string& message);
+  // The flight recorder's entry of a send or recv, and its start and end on `work`.
+  uint64_t recordP2P(OpKind kind, const at::Tensor& tensor, int peer, int64_t tag);
+  std::shared_ptr<CpuWork> traced(std::shared_ptr<CpuWork> work, uint64_t traceId);
   void postFailure(const std::string& message);
   OpHeader makeHeader(OpKind kind, const at::Tensor& tensor, ReduceOp op, int root,
                       const OpArgs* args = nullptr) const;
@@ -247,6 +261,8 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // The first failure; every later operation reports it (its errors add kRecoveryHint).
   std::string failure_;
   std::thread worker_;
+  std::shared_ptr<FlightRecorder> recorder_;
+  uint64_t nextP2P_ = 0;  // point-to-point operations recorded so far
 };
 
 }  // namespace torchring

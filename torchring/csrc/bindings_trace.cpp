@@ -1,0 +1,246 @@
+// The flight recorder's Python side (engine/flight_recorder.h): the Python frame each operation
+// is recorded with, the snapshot torchring/trace dumps, and the failure notification fd.
+//
+// A frame is interned once per (code object, instruction): captureFrame() walks from the
+// caller's frame outwards past every frame whose file lies under a skipped prefix (torchring's
+// and torch's own packages), and gives the first other frame's (file, line, function) an id in
+// the engine's frame table; its line is computed only then. Both caches hold their code objects for the life of the process, so a
+// pointer is never reused for another code object while it is a key; past kMaxCached entries
+// frames are no longer interned and operations record no frame (0).
+#include <torch/extension.h>
+
+#include <frameobject.h>
+
+#include <atomic>
+#include <cstring>
+#include <unordered_map>
+
+#include "engine/communicator.h"
+#include "engine/flight_recorder.h"
+
+namespace py = pybind11;
+
+namespace torchring {
+namespace {
+
+constexpr size_t kMaxCached = 1 << 14;
+
+struct CodeLine {
+  PyCodeObject* code;
+  int line;
+  bool operator==(const CodeLine& o) const { return code == o.code && line == o.line; }
+};
+struct CodeLineHash {
+  size_t operator()(const CodeLine& k) const {
+    return std::hash<const void*>()(k.code) * 31 + static_cast<size_t>(k.line);
+  }
+};
+
+struct FrameCache {
+  std::vector<std::string> skipPrefixes;
+  std::unordered_map<PyCodeObject*, bool> skip;             // code object -> its file is skipped
+  std::unordered_map<CodeLine, uint32_t, CodeLineHash> ids;  // (code object, line) -> frame id
+};
+
+std::atomic<bool> gFramesOn{false};  // set once Python gave the prefixes (torchring/trace armed)
+
+FrameCache& cache() {
+  static auto* c = new FrameCache();  // used with the GIL held; never destroyed
+  return *c;
+}
+
+bool skipped(PyCodeObject* code) {
+  auto& c = cache();
+  auto it = c.skip.find(code);
+  if (it != c.skip.end()) return it->second;
+  const char* file = PyUnicode_AsUTF8(code->co_filename);
+  if (file == nullptr) {
+    PyErr_Clear();
+    return true;
+  }
+  bool skip = false;
+  for (const auto& prefix : c.skipPrefixes) skip = skip || std::strncmp(file, prefix.c_str(), prefix.size()) == 0;
+  if (c.skip.size() < kMaxCached) {
+    Py_INCREF(code);
+    c.skip.emplace(code, skip);
+  }
+  return skip;
+}
+
+// The frame `depth` calls out from the running Python function, as sys._getframe(depth) finds
+// it: frames nearer than that are walked past without being made into frame objects (one per
+// call of torchring's own wrapper would be allocated, tracked by the garbage collector and freed
+// on every operation). Null, with no error set, when the stack is not that deep.
+PyFrameObject* frameAt(int depth) {
+  static PyObject* getframe = PySys_GetObject("_getframe");  // borrowed from sys, which outlives us
+  if (getframe == nullptr) return nullptr;
+  PyObject* arg = PyLong_FromLong(depth);
+  PyObject* frame = PyObject_CallOneArg(getframe, arg);
+  Py_DECREF(arg);
+  if (frame == nullptr) PyErr_Clear();
+  return reinterpret_cast<PyFrameObject*>(frame);
+}
+
+int lastiOf(PyFrameObject* frame) {
+#if PY_VERSION_HEX >= 0x030B0000
+  return PyFrame_GetLasti(frame);
+#else
+  return frame->f_lasti;  // public in 3.10
+#endif
+}
+
+// (code object, instruction) of `frame` -> its frame id, interned on first sight (0: the
+// caches are full).
+uint32_t frameId(PyFrameObject* frame, PyCodeObject* code) {
+  const int at = lastiOf(frame);
+  auto& c = cache();
+  const CodeLine key{code, at};
+  auto it = c.ids.find(key);
+  if (it != c.ids.end()) return it->second;
+  if (c.ids.size() >= kMaxCached || c.skip.count(code) == 0) return 0;  // the code object is not held
+  const char* file = PyUnicode_AsUTF8(code->co_filename);
+  const char* name = PyUnicode_AsUTF8(code->co_name);
+  if (file == nullptr || name == nullptr) {
+    PyErr_Clear();
+    return 0;
+  }
+  const uint32_t id = FlightRecorder::addFrame(TraceFrame{file, PyFrame_GetLineNumber(frame), name});
+  c.ids.emplace(key, id);
+  return id;
+}
+
+// The id of the first frame, from `depth` calls out, outside the skipped packages (0: none).
+// Needs the GIL.
+uint32_t captureFrame(int depth) {
+  PyFrameObject* frame = frameAt(depth);  // new reference
+  uint32_t id = 0;
+  while (frame != nullptr) {
+    PyCodeObject* code = PyFrame_GetCode(frame);  // new reference
+    // A loop issues its operations from the same place: the last answer, without the lookups
+    // (the code object is held by the caches, so its address names no other code).
+    static CodeLine last{nullptr, 0};
+    static uint32_t lastId = 0;
+    if (code == last.code && lastiOf(frame) == last.line) {
+      Py_DECREF(code);
+      Py_DECREF(frame);
+      return lastId;
+    }
+    const bool skip = skipped(code);
+    if (!skip) {
+      id = frameId(frame, code);
+      if (id != 0) last = CodeLine{code, lastiOf(frame)}, lastId = id;
+    }
+    Py_DECREF(code);
+    if (!skip) break;
+    PyFrameObject* back = PyFrame_GetBack(frame);  // new reference
+    Py_DECREF(frame);
+    frame = back;
+  }
+  Py_XDECREF(frame);
+  return id;
+}
+
+// For operations a thread without the GIL queues (torch.distributed's calls, which release
+// it): takes the GIL only on a thread Python knows, where a Python frame can be found.
+uint32_t provideFrame() {
+  if (!Py_IsInitialized() || _Py_IsFinalizing() || PyGILState_GetThisThreadState() == nullptr) return 0;
+  PyGILState_STATE state = PyGILState_Ensure();
+  const uint32_t id = captureFrame(0);
+  PyGILState_Release(state);
+  return id;
+}
+
+const char* stateName(TraceState state) {
+  switch (state) {
+    case TraceState::SCHEDULED: return "scheduled";
+    case TraceState::STARTED: return "started";
+    case TraceState::COMPLETED: return "completed";
+    case TraceState::FAILED: return "failed";
+  }
+  return "?";
+}
+
+py::dict entryDict(const TraceEntry& e) {
+  const OpHeader& h = e.header;
+  py::dict d;
+  d["id"] = e.id;
+  d["seq"] = h.seq;
+  d["kind"] = kindName(static_cast<OpKind>(h.kind));
+  d["p2p"] = e.p2p;
+  d["peer"] = e.peer;
+  d["tag"] = e.tag;
+  const bool hasTensor = h.ndim > 0 || h.count > 0;
+  d["dtype"] = hasTensor ? py::object(py::str(dtypeName(static_cast<DType>(h.dtype)))) : py::object(py::none());
+  py::list shape;
+  for (int i = 0; i < h.ndim; ++i) shape.append(h.dims[i]);
+  d["shape"] = shape;
+  d["count"] = h.count;
+  d["what"] = h.what();
+  d["describe"] = h.describe();
+  d["op"] = h.op;
+  d["root"] = h.root;
+  d["state"] = stateName(e.state);
+  d["enqueued_ns"] = e.enqueuedNs;
+  d["started_ns"] = e.startedNs;
+  d["finished_ns"] = e.finishedNs;
+  d["frame"] = e.frame;
+  return d;
+}
+
+}  // namespace
+
+void noteCaller(const Communicator& comm, int depth) {
+  if (gFramesOn.load(std::memory_order_relaxed) && comm.recorder()->enabled()) {
+    FlightRecorder::setCallerFrame(captureFrame(depth));
+  }
+}
+
+void bindTrace(py::module_& m) {
+  m.def(
+      "trace_snapshot",
+      [] {
+        py::list groups;
+        std::vector<uint32_t> used;
+        for (const auto& recorder : FlightRecorder::all()) {
+          std::vector<TraceEntry> entries;
+          {
+            py::gil_scoped_release release;
+            entries = recorder->snapshot();
+          }
+          py::list list;
+          for (const auto& e : entries) {
+            list.append(entryDict(e));
+            if (e.frame != 0) used.push_back(e.frame);
+          }
+          py::dict group;
+          group["name"] = recorder->name();
+          group["desc"] = recorder->desc();
+          group["ranks"] = recorder->ranks();
+          group["capacity"] = recorder->capacity();
+          group["failure"] = recorder->failure();
+          group["entries"] = list;
+          groups.append(group);
+        }
+        py::dict frames;
+        for (uint32_t id : used) {
+          if (frames.contains(py::int_(id))) continue;
+          const TraceFrame f = FlightRecorder::frame(id);
+          frames[py::int_(id)] = py::make_tuple(f.file, f.line, f.function);
+        }
+        return py::make_tuple(groups, frames, FlightRecorder::nowNs());
+      },
+      "([{name, desc, ranks, capacity, failure, entries}], {frame id: (file, line, function)}, steady now ns)");
+  m.def(
+      "set_trace_skip_prefixes",
+      [](std::vector<std::string> prefixes) {
+        cache().skipPrefixes = std::move(prefixes);
+        FlightRecorder::setFrameProvider(&provideFrame);
+        gFramesOn = true;
+      },
+      py::arg("prefixes"), "file prefixes whose frames are passed over (and turns frame capture on)");
+  m.def("capture_frame", [] { return captureFrame(0); }, "the caller's frame id (0: none), as operations record it");
+  m.def("set_trace_notify_fd", &FlightRecorder::setNotifyFd, py::arg("fd"),
+        "a non-blocking fd that gets one byte when a communicator fails (-1: none)");
+}
+
+}  // namespace torchring

@@ -1,0 +1,224 @@
+// FlightRecorder (flight_recorder.h): the lock-free slots, the process-wide registry of
+// recorders, the frame table and the failure notification.
+#include "engine/flight_recorder.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#if defined(__x86_64__)
+#include <x86intrin.h>
+#endif
+
+#include <algorithm>
+#include <chrono>
+
+namespace torchring {
+
+namespace {
+
+struct Registry {
+  std::mutex mutex;
+  std::vector<std::weak_ptr<FlightRecorder>> recorders;
+  std::vector<TraceFrame> frames{TraceFrame{}};  // id 0: no frame
+};
+
+Registry& registry() {
+  static auto* r = new Registry();  // never destroyed: engine threads may record at exit
+  return *r;
+}
+
+std::atomic<int> gNotifyFd{-1};
+std::atomic<uint32_t (*)()> gProvider{nullptr};
+thread_local bool tCallerSet = false;
+thread_local uint32_t tCallerFrame = 0;
+
+}  // namespace
+
+FlightRecorder::FlightRecorder(size_t capacity) : capacity_(capacity), ticks0_(ticks()), steady0_(nowNs()) {
+  if (capacity_ > 0) slots_.reset(new Slot[capacity_]);
+}
+
+std::shared_ptr<FlightRecorder> FlightRecorder::create(size_t capacity) {
+  auto recorder = std::make_shared<FlightRecorder>(capacity);
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.recorders.erase(std::remove_if(r.recorders.begin(), r.recorders.end(),
+                                   [](const std::weak_ptr<FlightRecorder>& weak) { return weak.expired(); }),
+                    r.recorders.end());
+  r.recorders.push_back(recorder);
+  return recorder;
+}
+
+std::vector<std::shared_ptr<FlightRecorder>> FlightRecorder::all() {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  std::vector<std::shared_ptr<FlightRecorder>> out;
+  for (const auto& weak : r.recorders) {
+    if (auto recorder = weak.lock()) out.push_back(std::move(recorder));
+  }
+  return out;
+}
+
+int64_t FlightRecorder::nowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+int64_t FlightRecorder::ticks() {
+#if defined(__x86_64__)
+  return static_cast<int64_t>(__rdtsc());
+#else
+  return nowNs();
+#endif
+}
+
+FlightRecorder::Slot* FlightRecorder::slotOf(uint64_t id) {
+  if (capacity_ == 0) return nullptr;
+  Slot* slot = &slots_[id % capacity_];
+  // Still this id's slot (not yet reused by an operation `capacity_` later)?
+  return slot->version.load(std::memory_order_relaxed) == 2 * id + 2 ? slot : nullptr;
+}
+
+uint64_t FlightRecorder::record(const OpHeader& header, uint32_t frame, bool startsNow, bool p2p, int peer,
+                                int64_t tag) {
+  if (capacity_ == 0) return 0;
+  const uint64_t id = next_.load(std::memory_order_relaxed);
+  Slot& slot = slots_[id % capacity_];
+  slot.version.store(2 * id + 1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);
+  TraceEntry& e = slot.entry;
+  e.id = id;
+  e.header = header;
+  e.p2p = p2p;
+  e.peer = peer;
+  e.tag = tag;
+  e.frame = frame;
+  e.enqueuedNs = ticks();
+  slot.state.store(static_cast<uint8_t>(startsNow ? TraceState::STARTED : TraceState::SCHEDULED),
+                   std::memory_order_relaxed);
+  slot.startedNs.store(startsNow ? e.enqueuedNs : 0, std::memory_order_relaxed);
+  slot.finishedNs.store(0, std::memory_order_relaxed);
+  slot.version.store(2 * id + 2, std::memory_order_release);
+  next_.store(id + 1, std::memory_order_release);
+  return id;
+}
+
+void FlightRecorder::started(uint64_t id) {
+  Slot* slot = slotOf(id);
+  if (slot != nullptr && slot->startedNs.load(std::memory_order_relaxed) == 0) {
+    slot->startedNs.store(ticks(), std::memory_order_relaxed);
+    slot->state.store(static_cast<uint8_t>(TraceState::STARTED), std::memory_order_release);
+  }
+}
+
+void FlightRecorder::finished(uint64_t id, bool ok) {
+  if (Slot* slot = slotOf(id)) {
+    const int64_t now = ticks();
+    if (slot->startedNs.load(std::memory_order_relaxed) == 0) slot->startedNs.store(now, std::memory_order_relaxed);
+    slot->finishedNs.store(now, std::memory_order_relaxed);
+    slot->state.store(static_cast<uint8_t>(ok ? TraceState::COMPLETED : TraceState::FAILED),
+                      std::memory_order_release);
+  }
+}
+
+std::vector<TraceEntry> FlightRecorder::snapshot() const {
+  std::vector<TraceEntry> out;
+  if (capacity_ == 0) return out;
+  // ticks -> steady ns, from the creation pair and one taken now.
+  const int64_t ticksNow = ticks(), steadyNow = nowNs();
+  const double nsPerTick = ticksNow > ticks0_ ? double(steadyNow - steady0_) / double(ticksNow - ticks0_) : 1.0;
+  auto toNs = [&](int64_t t) { return t == 0 ? int64_t{0} : steady0_ + int64_t(double(t - ticks0_) * nsPerTick); };
+  const uint64_t end = next_.load(std::memory_order_acquire);
+  const uint64_t begin = end > capacity_ ? end - capacity_ : 0;
+  out.reserve(end - begin);
+  for (uint64_t id = begin; id < end; ++id) {
+    const Slot& slot = slots_[id % capacity_];
+    const uint64_t before = slot.version.load(std::memory_order_acquire);
+    if (before != 2 * id + 2) continue;  // being written, or already reused
+    TraceEntry e = slot.entry;
+    e.state = static_cast<TraceState>(slot.state.load(std::memory_order_acquire));
+    e.startedNs = slot.startedNs.load(std::memory_order_relaxed);
+    e.finishedNs = slot.finishedNs.load(std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (slot.version.load(std::memory_order_relaxed) != before) continue;
+    e.enqueuedNs = toNs(e.enqueuedNs);
+    e.startedNs = toNs(e.startedNs);
+    e.finishedNs = toNs(e.finishedNs);
+    out.push_back(std::move(e));
+  }
+  return out;
+}
+
+void FlightRecorder::setIdentity(std::string name, std::string desc, std::vector<int> ranks) {
+  std::lock_guard<std::mutex> lock(identityMutex_);
+  name_ = std::move(name);
+  desc_ = std::move(desc);
+  ranks_ = std::move(ranks);
+}
+
+std::string FlightRecorder::name() const {
+  std::lock_guard<std::mutex> lock(identityMutex_);
+  return name_;
+}
+
+std::string FlightRecorder::desc() const {
+  std::lock_guard<std::mutex> lock(identityMutex_);
+  return desc_;
+}
+
+std::vector<int> FlightRecorder::ranks() const {
+  std::lock_guard<std::mutex> lock(identityMutex_);
+  return ranks_;
+}
+
+void FlightRecorder::setFailure(const std::string& message) {
+  std::lock_guard<std::mutex> lock(identityMutex_);
+  if (failure_.empty()) failure_ = message;
+}
+
+std::string FlightRecorder::failure() const {
+  std::lock_guard<std::mutex> lock(identityMutex_);
+  return failure_;
+}
+
+uint32_t FlightRecorder::addFrame(TraceFrame frame) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.frames.push_back(std::move(frame));
+  return static_cast<uint32_t>(r.frames.size() - 1);
+}
+
+TraceFrame FlightRecorder::frame(uint32_t id) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  return id < r.frames.size() ? r.frames[id] : TraceFrame{};
+}
+
+void FlightRecorder::setCallerFrame(uint32_t id) {
+  tCallerFrame = id;
+  tCallerSet = true;
+}
+
+void FlightRecorder::clearCallerFrame() { tCallerSet = false; }
+
+uint32_t FlightRecorder::callerFrame() {
+  if (tCallerSet) {
+    tCallerSet = false;
+    return tCallerFrame;
+  }
+  auto* provider = gProvider.load(std::memory_order_relaxed);
+  return provider != nullptr ? provider() : 0;
+}
+
+void FlightRecorder::setFrameProvider(uint32_t (*provider)()) { gProvider.store(provider); }
+
+void FlightRecorder::setNotifyFd(int fd) { gNotifyFd.store(fd); }
+
+void FlightRecorder::notifyFailure() {
+  const int fd = gNotifyFd.load();
+  if (fd < 0) return;
+  const char byte = 'F';
+  (void)!write(fd, &byte, 1);  // non-blocking: a full pipe already has a dump coming
+}
+
+}  // namespace torchring

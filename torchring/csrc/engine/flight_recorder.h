@@ -1,0 +1,120 @@
+// The flight recorder: every communicator keeps its last `capacity` operations (collectives
+// and point-to-point), each with its header, the frame of the Python line that issued it and
+// the times it was enqueued, started and finished on this rank, so that a hang or a failure
+// can be explained after the fact (torchring/trace reads snapshot() and writes the dumps).
+//
+// Recording must cost next to nothing on a 4 KiB allreduce, so a slot is written without a
+// lock: record() (whose callers hold the communicator's mutex, so ids need no atomic add) takes
+// the next id, owns slot id % capacity, marks its version odd while it copies the header in,
+// then even (2 * id + 2) once it is whole. A reader (snapshot, any thread) copies a slot
+// between two loads of its version and keeps the copy only when both are the same even number
+// (a seqlock). started() and finished() touch only atomics, and only while the slot still
+// holds their id. Times are read from the CPU's time-stamp counter (a third of the steady
+// clock's cost) and turned into steady-clock nanoseconds only by snapshot(), from the two
+// (ticks, steady) pairs taken at creation and at the snapshot; an operation that starts as it
+// is recorded (run inline on an idle communicator) reads the clock once for both.
+//
+// Process-wide, next to the recorders: the table of Python frames (bindings.cpp interns them
+// and hands the engine an id), the calling thread's frame for the next operation, and the
+// notification fd that tells torchring/trace a communicator failed (one byte, async-safe).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "core/common.h"
+
+namespace torchring {
+
+// A state of a recorded operation.
+enum class TraceState : uint8_t { SCHEDULED = 0, STARTED = 1, COMPLETED = 2, FAILED = 3 };
+
+// One recorded operation, as snapshot() copies it out.
+struct TraceEntry {
+  uint64_t id = 0;          // record id in this recorder, counted from 0
+  OpHeader header;          // kind, seq, dtype, shape, op, root (send/recv: header.seq is the p2p count)
+  bool p2p = false;         // a send or recv
+  int peer = -1;            // send/recv: the other rank (-1: any source)
+  int64_t tag = 0;          // send/recv: the tag
+  uint32_t frame = 0;       // FlightRecorder::frame(frame); 0: no Python frame
+  TraceState state = TraceState::SCHEDULED;
+  int64_t enqueuedNs = 0, startedNs = 0, finishedNs = 0;  // steady clock; 0: not yet
+};
+
+// A Python frame: "train.py", 12, "step".
+struct TraceFrame {
+  std::string file;
+  int line = 0;
+  std::string function;
+};
+
+class FlightRecorder {
+ public:
+  // capacity 0: records nothing (TORCHRING_TRACE=0).
+  explicit FlightRecorder(size_t capacity);
+
+  // Records an operation about to be queued (startsNow: it runs at once, on this thread);
+  // returns its id for started()/finished(). Callers serialize (the communicator's mutex).
+  uint64_t record(const OpHeader& header, uint32_t frame, bool startsNow, bool p2p = false, int peer = -1,
+                  int64_t tag = 0);
+  void started(uint64_t id);
+  void finished(uint64_t id, bool ok);
+  // The recorded operations, oldest first (a slot being rewritten right now is left out).
+  std::vector<TraceEntry> snapshot() const;
+  size_t capacity() const { return capacity_; }
+  bool enabled() const { return capacity_ > 0; }
+
+  // What the dump calls this communicator's group: name, description, its world ranks.
+  void setIdentity(std::string name, std::string desc, std::vector<int> ranks);
+  std::string name() const;
+  std::string desc() const;
+  std::vector<int> ranks() const;
+  // The communicator's first failure, for the dump ("" while none).
+  void setFailure(const std::string& message);
+  std::string failure() const;
+
+  // Every live recorder of the process (the world's, its groups', the c10d backends').
+  static std::vector<std::shared_ptr<FlightRecorder>> all();
+  static std::shared_ptr<FlightRecorder> create(size_t capacity);  // registered in all()
+
+  // Frames: bindings.cpp interns each (file, line, function) once and passes its id.
+  static uint32_t addFrame(TraceFrame frame);
+  static TraceFrame frame(uint32_t id);
+  // The frame the calling thread set for its next operation (then cleared), else what the
+  // provider finds (bindings.cpp: the caller's Python frame), else 0.
+  static void setCallerFrame(uint32_t id);
+  static void clearCallerFrame();
+  static uint32_t callerFrame();
+  static void setFrameProvider(uint32_t (*provider)());
+
+  // Where a failure is announced (-1: nowhere): notifyFailure() writes one byte to it.
+  static void setNotifyFd(int fd);
+  static void notifyFailure();
+  // The steady clock in nanoseconds, what snapshot() gives the entries' times in.
+  static int64_t nowNs();
+  // The cheap clock records read: the time-stamp counter on x86-64, else nowNs().
+  static int64_t ticks();
+
+ private:
+  struct Slot {
+    std::atomic<uint64_t> version{0};
+    TraceEntry entry;  // its state and times are written through the atomics below
+    std::atomic<uint8_t> state{0};
+    std::atomic<int64_t> startedNs{0}, finishedNs{0};
+  };
+  Slot* slotOf(uint64_t id);
+
+  size_t capacity_;
+  std::unique_ptr<Slot[]> slots_;
+  std::atomic<uint64_t> next_{0};
+  int64_t ticks0_, steady0_;  // ticks() and nowNs() at creation: snapshot()'s calibration
+  mutable std::mutex identityMutex_;
+  std::string name_, desc_, failure_;
+  std::vector<int> ranks_;
+};
+
+}  // namespace torchring
