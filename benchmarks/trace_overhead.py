@@ -1,17 +1,17 @@
-"""What the always-on flight recorder costs: the same jobs with it on (TORCHRING_TRACE=2000, the
-default) and off (TORCHRING_TRACE=0), alternated round by round.
+"""What the always-on flight recorder costs: the same jobs with it off (TORCHRING_TRACE=0), on
+without the Python lines (TORCHRING_TRACE_FRAMES=0) and on as by default, round by round.
 
     python benchmarks/trace_overhead.py                      # world 2, 7 rounds
     python benchmarks/trace_overhead.py --rounds 9 --json trace-overhead.json
 
-Each round starts two jobs under torchring-run (off, then on; on, then off in odd rounds, so
-drift hits both alike). Each job times, on every rank:
+Each round starts the three jobs under torchring-run (in reverse order in odd rounds, so drift
+hits them alike). Each job times, on every rank:
   allreduce 4 KiB   torchring.allreduce of 1024 float32 in a loop: the median over 7 trials of
                     20000 calls, µs per call (max over ranks)
   wrap step         a torchring.wrap'ped 4-layer MLP (width 512, batch 32 per rank, SGD): the
                     median of 30 steps after 5 warm-up steps, ms (max over ranks)
 The table shows each measure's median over the rounds and the median of the per-round ratios
-on/off (1.00: no cost). A machine that drifts shows it in the per-round spread, printed too.
+to off (1.00: no cost). A machine that drifts shows it in the per-round spread, printed too.
 """
 
 from __future__ import annotations
@@ -67,15 +67,19 @@ def inner() -> None:
     torchring.shutdown()
 
 
-def job(world: int, trace: str) -> dict[str, float]:
-    """One job of `world` ranks with TORCHRING_TRACE=`trace`: its two measures."""
-    env = dict(os.environ, TORCHRING_TRACE=trace, PYTHONPATH=str(_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+CONFIGS = {"off": {"TORCHRING_TRACE": "0"}, "no lines": {"TORCHRING_TRACE_FRAMES": "0"}, "on": {}}
+
+
+def job(world: int, config: str) -> dict[str, float]:
+    """One job of `world` ranks in configuration `config` (CONFIGS): its two measures."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHRING_TRACE")}
+    env.update(CONFIGS[config], PYTHONPATH=str(_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-m", "torchring.run", "-np", str(world), sys.executable, __file__,
                            "--inner"], env=env, capture_output=True, text=True, timeout=600, cwd=_ROOT)
     for line in proc.stdout.splitlines():
         if "RESULT " in line:
             return json.loads(line.split("RESULT ", 1)[1])
-    raise RuntimeError(f"the job with TORCHRING_TRACE={trace} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    raise RuntimeError(f"the job '{config}' failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
 
 
 def main() -> None:
@@ -92,19 +96,19 @@ def main() -> None:
     _harness.print_header("flight recorder on vs off", info, f"world {args.world}, {args.rounds} rounds")
     rounds = []
     for r in range(args.rounds):
-        order = ("0", "2000") if r % 2 == 0 else ("2000", "0")
-        got = {trace: job(args.world, trace) for trace in order}
-        rounds.append({"off": got["0"], "on": got["2000"]})
-        print(f"round {r}: allreduce 4 KiB {got['0']['allreduce_us']:.3f} / {got['2000']['allreduce_us']:.3f} us, "
-              f"wrap step {got['0']['step_ms']:.3f} / {got['2000']['step_ms']:.3f} ms (off / on)", flush=True)
-    print("| measure | off | on | on / off (median of rounds) | per-round on / off |")
-    print("|---|---|---|---|---|")
+        order = list(CONFIGS) if r % 2 == 0 else list(reversed(CONFIGS))
+        got = {config: job(args.world, config) for config in order}
+        rounds.append(got)
+        print(f"round {r}: " + ", ".join(f"{c} {got[c]['allreduce_us']:.3f} us / {got[c]['step_ms']:.3f} ms"
+                                         for c in CONFIGS), flush=True)
+    print("| measure | " + " | ".join(CONFIGS) + " | " + " | ".join(f"{c} / off [min..max]" for c in list(CONFIGS)[1:]) + " |")
+    print("|---" * (2 * len(CONFIGS)) + "|")
     for key, name, unit in (("allreduce_us", "allreduce 4 KiB", "us"), ("step_ms", "wrap step", "ms")):
-        off = statistics.median(x["off"][key] for x in rounds)
-        on = statistics.median(x["on"][key] for x in rounds)
-        ratios = [x["on"][key] / x["off"][key] for x in rounds]
-        print(f"| {name} | {off:.3f} {unit} | {on:.3f} {unit} | {statistics.median(ratios):.3f} | "
-              f"{min(ratios):.3f}..{max(ratios):.3f} |")
+        cells = [f"{statistics.median(x[c][key] for x in rounds):.3f} {unit}" for c in CONFIGS]
+        for c in list(CONFIGS)[1:]:
+            ratios = [x[c][key] / x["off"][key] for x in rounds]
+            cells.append(f"{statistics.median(ratios):.3f} [{min(ratios):.3f}..{max(ratios):.3f}]")
+        print(f"| {name} | " + " | ".join(cells) + " |")
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": info, "world": args.world, "rounds": rounds}, indent=1))
 

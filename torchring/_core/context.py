@@ -100,7 +100,8 @@ def init(timeout: float | None = None, membership: tuple[int, int, int] | None =
                     master_addr=launch.master_addr, host_groups=groups,
                     allreduce_now=engine.allreduce_now_function(comm))
     _last_settings = settings
-    _recorder.arm(engine, rank, world, host, settings.trace_directory(job_id), settings.timeout)
+    _recorder.arm(engine, rank, world, host, settings.trace_directory(job_id), settings.timeout,
+                  settings.trace_frames)
     # At exit, a job that never called shutdown() still lets its last GPU collectives finish
     # and stops the NCCL watchdog before the CUDA runtime unloads (registered once).
     atexit.unregister(shutdown)

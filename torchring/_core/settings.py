@@ -57,7 +57,8 @@ class Settings:
     ssh: str | None = None           # TORCHRING_SSH: None = `ssh` (torchring-run -H's client command)
     elastic_dir: str | None = None   # TORCHRING_ELASTIC_DIR: None = one per run under the temp dir
     min_np: int = 1                  # TORCHRING_MIN_NP: a re-formed world needs this many ranks
-    trace: int = 2000                # TORCHRING_TRACE: operations the flight recorder keeps (0: off)
+    trace: int = 512                 # TORCHRING_TRACE: operations the flight recorder keeps (0: off)
+    trace_frames: bool = True        # TORCHRING_TRACE_FRAMES: record the Python line of each operation
     trace_dir: str | None = None     # TORCHRING_TRACE_DIR: None = one per job under the temp dir
 
     @classmethod
@@ -247,7 +248,8 @@ _VARIABLES = (
     _Variable("TORCHRING_ELASTIC_DIR", "elastic_dir", text,
               "(a directory per run under the temporary directory)"),
     _Variable("TORCHRING_MIN_NP", "min_np", _integer(1, 1 << 20, "number of ranks"), "1"),
-    _Variable("TORCHRING_TRACE", "trace", _integer(0, 1 << 20, "number of operations (0: off)"), "2000"),
+    _Variable("TORCHRING_TRACE", "trace", _integer(0, 1 << 20, "number of operations (0: off)"), "512"),
+    _Variable("TORCHRING_TRACE_FRAMES", "trace_frames", switch, "1"),
     _Variable("TORCHRING_TRACE_DIR", "trace_dir", text, "(torchring-trace/<job id> under the temporary directory)"),
 )
 # What cache_dir() reads.

@@ -11,6 +11,7 @@
 
 #include <frameobject.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <unordered_map>
@@ -160,8 +161,16 @@ const char* stateName(TraceState state) {
   return "?";
 }
 
-py::dict entryDict(const TraceEntry& e) {
-  const OpHeader& h = e.header;
+py::dict entryDict(const TraceEntry& entry) {
+  TraceEntry e = entry;
+  OpHeader& h = e.header;
+  // Dims past those the record keeps: shown as "..." (describe() would print zeros).
+  if (e.truncatedDims) h.ndim = static_cast<uint8_t>(std::min<int>(h.ndim, 6));
+  auto truncate = [&](std::string text) {
+    const size_t close = text.find(']');
+    if (e.truncatedDims && close != std::string::npos) text.insert(close, ", ...");
+    return text;
+  };
   py::dict d;
   d["id"] = e.id;
   d["seq"] = h.seq;
@@ -173,10 +182,11 @@ py::dict entryDict(const TraceEntry& e) {
   d["dtype"] = hasTensor ? py::object(py::str(dtypeName(static_cast<DType>(h.dtype)))) : py::object(py::none());
   py::list shape;
   for (int i = 0; i < h.ndim; ++i) shape.append(h.dims[i]);
+  if (e.truncatedDims) shape.append(py::none());
   d["shape"] = shape;
   d["count"] = h.count;
-  d["what"] = h.what();
-  d["describe"] = h.describe();
+  d["what"] = truncate(h.what());
+  d["describe"] = truncate(h.describe());
   d["op"] = h.op;
   d["root"] = h.root;
   d["state"] = stateName(e.state);

@@ -65,8 +65,9 @@ _armed: _Armed | None = None
 
 
 def arm(engine: Any, rank: int, world: int, host: str, directory: str | os.PathLike[str],
-        timeout_s: float) -> None:
-    """Starts dumping this rank's flight records to `directory` on failures and SIGUSR1 (idempotent)."""
+        timeout_s: float, frames: bool = True) -> None:
+    """Starts dumping this rank's flight records to `directory` on failures and signals
+    (idempotent); `frames`: operations also record the Python line that issued them."""
     global _armed
     if _armed is not None:
         _armed.rank, _armed.world, _armed.host = rank, world, host
@@ -74,7 +75,8 @@ def arm(engine: Any, rank: int, world: int, host: str, directory: str | os.PathL
         return
     package = str(Path(__file__).resolve().parents[1]) + os.sep
     torch_dir = str(Path(sys.modules["torch"].__file__).resolve().parent) + os.sep if "torch" in sys.modules else None
-    engine.set_trace_skip_prefixes([p for p in (package, torch_dir) if p])
+    if frames:
+        engine.set_trace_skip_prefixes([p for p in (package, torch_dir) if p])
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
     state = _Armed(engine, Path(directory), rank, world, host, timeout_s, read_fd, write_fd)

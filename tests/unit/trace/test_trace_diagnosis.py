@@ -144,6 +144,6 @@ def test_the_settings_name_the_recorders_size_and_directory(tmp_path: Path) -> N
     s = Settings.from_env({"TORCHRING_TRACE": "0", "TORCHRING_TRACE_DIR": str(tmp_path)})
     assert (s.trace, s.trace_directory("j")) == (0, tmp_path)
     default = Settings.from_env({})
-    assert default.trace == 2000 and default.trace_directory("run/7").parts[-2:] == ("torchring-trace", "run_7")
+    assert default.trace == 512 and default.trace_frames and default.trace_directory("run/7").parts[-2:] == ("torchring-trace", "run_7")
     with pytest.raises(ValueError, match=r"TORCHRING_TRACE='-1': expected an integer number of operations"):
         Settings.from_env({"TORCHRING_TRACE": "-1"})

@@ -75,7 +75,7 @@ struct CommOptions {
   std::vector<int> traceRanks;
 
   static constexpr size_t kDefaultSegmentBytes = 1 << 20;
-  static constexpr size_t kDefaultTraceEntries = 2000;
+  static constexpr size_t kDefaultTraceEntries = 512;
 };
 
 // Optional side channel through the rendezvous store: a failing rank posts its message, and

@@ -86,27 +86,39 @@ uint64_t FlightRecorder::record(const OpHeader& header, uint32_t frame, bool sta
   Slot& slot = slots_[id % capacity_];
   slot.version.store(2 * id + 1, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_release);
-  TraceEntry& e = slot.entry;
-  e.id = id;
-  e.header = header;
-  e.p2p = p2p;
-  e.peer = peer;
-  e.tag = tag;
-  e.frame = frame;
-  e.enqueuedNs = ticks();
+  slot.enqueued = ticks();
+  slot.seq = header.seq;
+  slot.count = header.count;
+  slot.tagOrRows = p2p ? tag : static_cast<int64_t>(header.rows);
+  slot.frame = frame;
+  slot.peer = peer;
+  slot.root = header.root;
+  slot.kind = header.kind;
+  slot.dtype = header.dtype;
+  slot.op = header.op;
+  slot.ndim = header.ndim;
+  slot.onGpu = header.onGpu;
+  slot.p2p = p2p ? 1 : 0;
+  for (int d = 0; d < kDims; ++d) slot.dims[d] = header.dims[d];
   slot.state.store(static_cast<uint8_t>(startsNow ? TraceState::STARTED : TraceState::SCHEDULED),
                    std::memory_order_relaxed);
-  slot.startedNs.store(startsNow ? e.enqueuedNs : 0, std::memory_order_relaxed);
-  slot.finishedNs.store(0, std::memory_order_relaxed);
+  slot.startedAt.store(startsNow ? slot.enqueued : 0, std::memory_order_relaxed);
+  slot.finishedAt.store(0, std::memory_order_relaxed);
   slot.version.store(2 * id + 2, std::memory_order_release);
   next_.store(id + 1, std::memory_order_release);
+  // The next slot, written at the next operation, into the cache now: a store that misses is
+  // cheap until the next locked instruction (the communicator's mutex, right after), which
+  // waits for it to reach memory; a prefetch is not waited for.
+  const Slot* ahead = &slots_[(id + 1) % capacity_];
+  __builtin_prefetch(ahead, 1, 3);
+  __builtin_prefetch(reinterpret_cast<const char*>(ahead) + 64, 1, 3);
   return id;
 }
 
 void FlightRecorder::started(uint64_t id) {
   Slot* slot = slotOf(id);
-  if (slot != nullptr && slot->startedNs.load(std::memory_order_relaxed) == 0) {
-    slot->startedNs.store(ticks(), std::memory_order_relaxed);
+  if (slot != nullptr && slot->startedAt.load(std::memory_order_relaxed) == 0) {
+    slot->startedAt.store(ticks(), std::memory_order_relaxed);
     slot->state.store(static_cast<uint8_t>(TraceState::STARTED), std::memory_order_release);
   }
 }
@@ -114,8 +126,8 @@ void FlightRecorder::started(uint64_t id) {
 void FlightRecorder::finished(uint64_t id, bool ok) {
   if (Slot* slot = slotOf(id)) {
     const int64_t now = ticks();
-    if (slot->startedNs.load(std::memory_order_relaxed) == 0) slot->startedNs.store(now, std::memory_order_relaxed);
-    slot->finishedNs.store(now, std::memory_order_relaxed);
+    if (slot->startedAt.load(std::memory_order_relaxed) == 0) slot->startedAt.store(now, std::memory_order_relaxed);
+    slot->finishedAt.store(now, std::memory_order_relaxed);
     slot->state.store(static_cast<uint8_t>(ok ? TraceState::COMPLETED : TraceState::FAILED),
                       std::memory_order_release);
   }
@@ -135,12 +147,30 @@ std::vector<TraceEntry> FlightRecorder::snapshot() const {
     const Slot& slot = slots_[id % capacity_];
     const uint64_t before = slot.version.load(std::memory_order_acquire);
     if (before != 2 * id + 2) continue;  // being written, or already reused
-    TraceEntry e = slot.entry;
+    TraceEntry e;
+    e.id = id;
+    OpHeader& h = e.header;
+    h.seq = slot.seq;
+    h.count = slot.count;
+    h.root = slot.root;
+    h.kind = slot.kind;
+    h.dtype = slot.dtype;
+    h.op = slot.op;
+    h.onGpu = slot.onGpu;
+    h.ndim = slot.ndim;
+    for (int d = 0; d < kDims; ++d) h.dims[d] = slot.dims[d];
+    e.p2p = slot.p2p != 0;
+    e.peer = slot.peer;
+    e.tag = e.p2p ? slot.tagOrRows : 0;
+    if (!e.p2p) h.rows = static_cast<uint64_t>(slot.tagOrRows);
+    e.frame = slot.frame;
+    e.enqueuedNs = slot.enqueued;
     e.state = static_cast<TraceState>(slot.state.load(std::memory_order_acquire));
-    e.startedNs = slot.startedNs.load(std::memory_order_relaxed);
-    e.finishedNs = slot.finishedNs.load(std::memory_order_relaxed);
+    e.startedNs = slot.startedAt.load(std::memory_order_relaxed);
+    e.finishedNs = slot.finishedAt.load(std::memory_order_relaxed);
     std::atomic_thread_fence(std::memory_order_acquire);
     if (slot.version.load(std::memory_order_relaxed) != before) continue;
+    e.truncatedDims = h.ndim > kDims;
     e.enqueuedNs = toNs(e.enqueuedNs);
     e.startedNs = toNs(e.startedNs);
     e.finishedNs = toNs(e.finishedNs);

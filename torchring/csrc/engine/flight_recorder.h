@@ -5,7 +5,7 @@
 //
 // Recording must cost next to nothing on a 4 KiB allreduce, so a slot is written without a
 // lock: record() (whose callers hold the communicator's mutex, so ids need no atomic add) takes
-// the next id, owns slot id % capacity, marks its version odd while it copies the header in,
+// the next id, owns slot id % capacity, marks its version odd while it copies the header's fields in,
 // then even (2 * id + 2) once it is whole. A reader (snapshot, any thread) copies a slot
 // between two loads of its version and keeps the copy only when both are the same even number
 // (a seqlock). started() and finished() touch only atomics, and only while the slot still
@@ -36,7 +36,9 @@ enum class TraceState : uint8_t { SCHEDULED = 0, STARTED = 1, COMPLETED = 2, FAI
 // One recorded operation, as snapshot() copies it out.
 struct TraceEntry {
   uint64_t id = 0;          // record id in this recorder, counted from 0
-  OpHeader header;          // kind, seq, dtype, shape, op, root (send/recv: header.seq is the p2p count)
+  OpHeader header;          // kind, seq, dtype, shape, op, root, rows (send/recv: seq counts them);
+                            // scale factors are not kept, nor dims past the sixth
+  bool truncatedDims = false;  // the shape had more dims than the record keeps
   bool p2p = false;         // a send or recv
   int peer = -1;            // send/recv: the other rank (-1: any source)
   int64_t tag = 0;          // send/recv: the tag
@@ -100,12 +102,22 @@ class FlightRecorder {
   static int64_t ticks();
 
  private:
-  struct Slot {
+  // Two cache lines per operation, so that a loop of small operations streams through as
+  // little memory as it can: the header's fields that describe() reads, up to kDims dims.
+  static constexpr int kDims = 6;
+  struct alignas(64) Slot {
     std::atomic<uint64_t> version{0};
-    TraceEntry entry;  // its state and times are written through the atomics below
+    int64_t enqueued = 0;
+    std::atomic<int64_t> startedAt{0}, finishedAt{0};
+    uint64_t seq = 0, count = 0;
+    int64_t tagOrRows = 0;  // send/recv: the tag; else the header's rows
+    uint32_t frame = 0;
+    int32_t peer = -1, root = -1;
+    uint8_t kind = 0, dtype = 0, op = 0, ndim = 0, onGpu = 0, p2p = 0;
     std::atomic<uint8_t> state{0};
-    std::atomic<int64_t> startedNs{0}, finishedNs{0};
+    int64_t dims[kDims] = {};
   };
+  static_assert(sizeof(Slot) == 128, "a slot is two cache lines");
   Slot* slotOf(uint64_t id);
 
   size_t capacity_;
