@@ -17,6 +17,7 @@ from .collectives.basic import (Handle, ReduceOp, allgather, allgather_async, al
 from .collectives.exchange import all_to_all_single, all_to_all_single_async, alltoall, alltoall_async
 from .collectives.groups import Group, new_group, world_group
 from .collectives.p2p import irecv, isend, recv, send
+from .collectives.stats import stats, stragglers
 from .collectives.rooted import (allgather_into, allgather_into_async, allreduce_many, allreduce_many_async,
                                  gather, gather_async, reduce, reduce_async, reduce_scatter_into,
                                  reduce_scatter_into_async, scatter, scatter_async)
@@ -31,7 +32,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
-    "transport", "dump_trace", "TorchringError", "CommunicatorFailedError",
+    "transport", "dump_trace", "stats", "stragglers", "TorchringError", "CommunicatorFailedError",
     "CollectiveMismatchError", "WaitTimeoutError", "ReduceOp", "Handle", "allreduce", "allreduce_async",
     "broadcast", "broadcast_async", "allgather", "allgather_async", "reduce_scatter",
     "reduce_scatter_async", "barrier", "barrier_async", "broadcast_object",

@@ -146,6 +146,7 @@ def communicator(engine: Any, rank: int, world: int, groups: list[list[int]], se
     options.spin_iters = settings.spin_iters(len(my_group), _env.available_cpus())
     options.spin_auto = settings.spin is None
     options.trace_entries = settings.trace
+    options.straggler_sec = settings.straggler_ms / 1000
     word, _, levels = settings.algo.partition(":")
     options.algo, options.levels = list(engine.ALGOS).index(word), int(levels or 0)
     for field, value in overrides.items():
@@ -258,6 +259,7 @@ def connect(engine: Any, store: dist.Store | None, prefix: str, rank: int, size:
             secret, hosts = "", [host]
         real_groups = host_groups(hosts)
         groups = [[r] for r in range(size)] if settings.transport == "tcp" else real_groups
+        overrides.setdefault("host_names", [hosts[g[0]] for g in groups])
     else:
         real_groups = groups
     comm = communicator(engine, rank, size, groups, settings, secret or "", **overrides)

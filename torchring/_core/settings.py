@@ -60,6 +60,7 @@ class Settings:
     trace: int = 512                 # TORCHRING_TRACE: operations the flight recorder keeps (0: off)
     trace_frames: bool = True        # TORCHRING_TRACE_FRAMES: record the Python line of each operation
     trace_dir: str | None = None     # TORCHRING_TRACE_DIR: None = one per job under the temp dir
+    straggler_ms: float = 100.0      # TORCHRING_STRAGGLER_MS: persistent-lateness warning threshold (0: off)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Settings:
@@ -151,6 +152,11 @@ def _integer(lo: int, hi: int, unit: str) -> Callable[[str, str, str], int]:
 def _seconds(name: str, raw: str, default: str) -> float:
     return number(name, raw, default, float, lambda v: math.isfinite(v) and 0 < v <= _WEEK,
                   f"a number of seconds > 0 and at most {_WEEK} (a week)")
+
+
+def _milliseconds(name: str, raw: str, default: str) -> float:
+    return number(name, raw, default, float, lambda v: math.isfinite(v) and 0 <= v <= _WEEK * 1000,
+                  "a number of milliseconds >= 0 (0: off)")
 
 
 def _pool_mb(name: str, raw: str, default: str) -> float | None:
@@ -250,6 +256,7 @@ _VARIABLES = (
     _Variable("TORCHRING_MIN_NP", "min_np", _integer(1, 1 << 20, "number of ranks"), "1"),
     _Variable("TORCHRING_TRACE", "trace", _integer(0, 1 << 20, "number of operations (0: off)"), "512"),
     _Variable("TORCHRING_TRACE_FRAMES", "trace_frames", switch, "1"),
+    _Variable("TORCHRING_STRAGGLER_MS", "straggler_ms", _milliseconds, "100"),
     _Variable("TORCHRING_TRACE_DIR", "trace_dir", text, "(torchring-trace/<job id> under the temporary directory)"),
 )
 # What cache_dir() reads.

@@ -240,6 +240,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("trace_name", &CommOptions::traceName, "the group's name in flight-recorder dumps")
       .def_readwrite("trace_desc", &CommOptions::traceDesc, "the group's description in flight-recorder dumps")
       .def_readwrite("trace_ranks", &CommOptions::traceRanks, "the group's world ranks in dumps (empty: all)")
+      .def_readwrite("straggler_sec", &CommOptions::stragglerSec, "the persistent-lateness warning's threshold (0: off)")
+      .def_readwrite("host_names", &CommOptions::hostNames, "each host's name, by host index, for messages")
       .def_readwrite("one_shot_bytes", &CommOptions::oneShotBytes,
                      "internal, for tests: largest staged shared-memory allreduce run one-shot")
       .def_readwrite("staging_stores", &CommOptions::stagingStores,
@@ -344,6 +346,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("shutdown", &Communicator::shutdown, py::call_guard<py::gil_scoped_release>())
       .def("abort", &Communicator::abort, py::arg("why"), py::call_guard<py::gil_scoped_release>())
       .def("failure", &Communicator::failure, py::call_guard<py::gil_scoped_release>())
+      .def("waited_seconds", &Communicator::waitedSeconds,
+           "seconds this rank waited for each rank (by rank) since the communicator started")
       .def(
           "submit",
           [](Communicator& c, int kind, std::optional<at::Tensor> tensor, int op, int root, bool runInline,

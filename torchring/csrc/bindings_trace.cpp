@@ -228,6 +228,7 @@ void bindTrace(py::module_& m) {
           group["ranks"] = recorder->ranks();
           group["capacity"] = recorder->capacity();
           group["failure"] = recorder->failure();
+          group["waited"] = recorder->waits();
           group["entries"] = list;
           groups.append(group);
         }

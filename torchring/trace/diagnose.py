@@ -176,4 +176,22 @@ def diagnose(directory: str | os.PathLike[str]) -> tuple[list[str], list[Finding
         lines.append("  every group's operations finished on every rank that wrote a dump.")
     for name, (r, text) in failures.items():
         lines.append(f"  first failure seen in {name} (rank {r}): {text}")
+    lines.extend(straggler_lines(ranks))
     return lines, findings
+
+
+def straggler_lines(ranks: dict[int, Rank], top: int = 3, at_least_s: float = 0.01) -> list[str]:
+    """Who made the others wait, from each dump's waits per peer (every group's, by world rank)."""
+    made: dict[int, float] = {}
+    for rank in ranks.values():
+        for g in rank.groups:
+            members = list(g["ranks"])
+            for i, seconds in enumerate(g.get("waited", [])):
+                if i < len(members) and members[i] != rank.rank:
+                    made[members[i]] = made.get(members[i], 0.0) + seconds
+    ranked = [(r, s) for r, s in sorted(made.items(), key=lambda kv: -kv[1]) if s >= at_least_s][:top]
+    if not ranked:
+        return []
+    hosts = {r: d.host for r, d in ranks.items()}
+    return ["  who made the others wait (seconds the other ranks waited for it since the start): " +
+            "; ".join(f"rank {r} (host {hosts.get(r, '?')}) {s:.2f} s" for r, s in ranked)]

@@ -105,7 +105,8 @@ def build(snapshot: tuple[list[dict[str, Any]], dict[int, tuple[str, int, str]],
             "time_ns": wall_now, "stacks": thread_stacks(),
             "main_thread": f"{threading.main_thread().name} ({threading.main_thread().ident})",
             "groups": [{"name": g["name"], "desc": g["desc"], "ranks": list(g["ranks"]),
-                        "failure": g["failure"], "capacity": g["capacity"]} for g in groups],
+                        "failure": g["failure"], "capacity": g["capacity"], "waited": list(g.get("waited", []))}
+                       for g in groups],
         },
     }
 

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <iomanip>
 #include <sstream>
 
 #include "core/reduce.h"
@@ -21,6 +22,9 @@ Communicator::Communicator(CommOptions options)
     for (int r = 0; r < opt_.size; ++r) traceRanks.push_back(r);
   }
   recorder_->setIdentity(opt_.traceName, opt_.traceDesc, std::move(traceRanks));
+  std::fill(std::begin(lateWindow_), std::end(lateWindow_), -1);
+  lateCount_.assign(opt_.size, 0);
+  lateNamed_.assign(opt_.size, false);
   rankHost_.assign(opt_.size, -1);
   rankLocal_.assign(opt_.size, -1);
   for (size_t h = 0; h < opt_.hosts.size(); ++h) {
@@ -108,6 +112,10 @@ void Communicator::setP2PPeers(std::vector<std::string> addrs, std::vector<int> 
 }
 
 void Communicator::start() {
+  recorder_->setWaits([weak = weak_from_this()] {
+    auto comm = weak.lock();
+    return comm ? comm->waitedSeconds() : std::vector<double>();
+  });
   if (tcp_ && shm_) tcp_->setOnProgress([this] { shm_->heartbeat(); });
   if (p2p_) p2p_->setOnFailure([this](const std::string& message) { onP2PFailure(message); });
   worker_ = std::thread([this] { workerLoop(); });
@@ -405,8 +413,62 @@ std::string Communicator::failedMessage(const OpHeader& header) const {
 // from the same state everywhere. Any other failure fails the communicator: the peers are
 // told (shared-memory abort, ring sockets closed, failure board), and every later operation
 // reports the first failure.
+std::vector<double> Communicator::waitedSeconds() const {
+  std::vector<double> out(opt_.size, 0.0);
+  const double secPerTick = nsPerTick() * 1e-9;
+  if (shm_) {
+    const auto& local = opt_.hosts[hostIndex_];
+    for (size_t i = 0; i < local.size(); ++i) out[local[i]] += shm_->waits().total(static_cast<int>(i)) * secPerTick;
+  }
+  if (tcp_) {
+    for (int m = 0; m < numHosts(); ++m) out[opt_.hosts[m][0]] += tcp_->waits().total(m) * secPerTick;
+  }
+  return out;
+}
+
+std::string Communicator::hostText(int rank) const {
+  const int host = rankHost_[rank];
+  const bool named = host < static_cast<int>(opt_.hostNames.size()) && !opt_.hostNames[host].empty();
+  const std::string name = "host " + (named ? opt_.hostNames[host] : std::to_string(host));
+  return host == hostIndex_ ? name + ", this host" : name;
+}
+
+// The late rank of an operation is the one this rank waited for longest in it, when that wait
+// reached stragglerSec; a rank late in half of the last kLateWindow operations is named once.
+void Communicator::noteWaits(const OpHeader& header) {
+  int late = -1;
+  int64_t longest = 0;
+  if (shm_) {
+    auto [peer, ticks] = shm_->waits().opLongest();
+    if (peer >= 0) late = opt_.hosts[hostIndex_][peer], longest = ticks;
+  }
+  if (tcp_) {
+    auto [member, ticks] = tcp_->waits().opLongest();
+    if (member >= 0 && ticks > longest) late = opt_.hosts[member][0], longest = ticks;
+  }
+  const double seconds = longest * nsPerTick() * 1e-9;
+  if (opt_.stragglerSec <= 0 || seconds < opt_.stragglerSec) late = -1;
+  const int gone = lateWindow_[lateNext_];
+  if (gone >= 0) --lateCount_[gone];
+  lateWindow_[lateNext_] = late;
+  lateNext_ = (lateNext_ + 1) % kLateWindow;
+  if (late < 0 || ++lateCount_[late] < kLateWindow / 2 || lateNamed_[late]) return;
+  lateNamed_[late] = true;
+  const std::vector<double> waited = waitedSeconds();
+  std::ostringstream msg;
+  msg << std::fixed << std::setprecision(1) << opt_.label << rankText() << ": rank " << late << " (" << hostText(late) << ") made this rank wait "
+      << opt_.stragglerSec * 1000 << " ms or more in " << lateCount_[late] << " of the last " << kLateWindow
+      << " collectives (" << seconds * 1000 << " ms in " << header.what() << "; " << std::setprecision(2)
+      << waited[late] << " s in all so far): it is persistently late. Look at what it does between collectives (data loading, "
+         "compute, a slower host or link); torchring.stats() gives every rank's waits, and python -m "
+         "torchring.trace names where each rank is (TORCHRING_STRAGGLER_MS sets the threshold, 0 turns this off)";
+  warn(msg.str());
+}
+
 void Communicator::execute(Op& op) {
   recorder_->started(op.traceId);
+  if (shm_) shm_->waits().startOp();
+  if (tcp_) tcp_->waits().startOp();
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!failure_.empty()) {
@@ -426,8 +488,10 @@ void Communicator::execute(Op& op) {
       throw CommFailedError(rankText() + ": " + op.header.label() + " aborted because another rank failed: " + aborted);
     }
     result = run(op);
+    noteWaits(op.header);
   } catch (const MismatchError&) {
     if (shm_) shm_->markDone(op.header.seq);
+    noteWaits(op.header);
     error = std::current_exception();
     FlightRecorder::notifyFailure();
   } catch (const std::exception& e) {

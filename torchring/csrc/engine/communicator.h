@@ -73,6 +73,11 @@ struct CommOptions {
   // world ranks (empty: 0..size-1).
   std::string traceName = "world", traceDesc = "torchring world";
   std::vector<int> traceRanks;
+  // A peer that made this rank wait at least this long in at least half of the last 20
+  // collectives is named once in a warning (0: never; TORCHRING_STRAGGLER_MS).
+  double stragglerSec = 0.1;
+  // Each host's name, by host index, for the messages ("" or missing: "host k").
+  std::vector<std::string> hostNames;
 
   static constexpr size_t kDefaultSegmentBytes = 1 << 20;
   static constexpr size_t kDefaultTraceEntries = 512;
@@ -170,6 +175,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   int numHosts() const { return static_cast<int>(opt_.hosts.size()); }
   bool isLeader() const { return localIndex_ == 0; }
   bool hasShm() const { return shm_ != nullptr; }
+  // Seconds this rank waited for each rank (by rank; shared-memory waits for the ranks of its
+  // host, TCP waits of a leader for the other hosts' leaders), since the communicator started.
+  std::vector<double> waitedSeconds() const;
   // This communicator's flight recorder (also listed in FlightRecorder::all()).
   const std::shared_ptr<FlightRecorder>& recorder() const { return recorder_; }
 
@@ -184,6 +192,10 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   void checkArgs(OpKind kind, const at::Tensor& tensor, ReduceOp op, int root, const OpArgs& args) const;
   void checkPeer(const at::Tensor& tensor, int peer, int64_t tag, const char* what) const;
   void onP2PFailure(const std::string& message);
+  // After an operation: which rank made this one wait longest, and the warning when one rank
+  // is persistently late (CommOptions::stragglerSec).
+  void noteWaits(const OpHeader& header);
+  std::string hostText(int rank) const;
   // The flight recorder's entry of a send or recv, and its start and end on `work`.
   uint64_t recordP2P(OpKind kind, const at::Tensor& tensor, int peer, int64_t tag);
   std::shared_ptr<CpuWork> traced(std::shared_ptr<CpuWork> work, uint64_t traceId);
@@ -263,6 +275,13 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   std::thread worker_;
   std::shared_ptr<FlightRecorder> recorder_;
   uint64_t nextP2P_ = 0;  // point-to-point operations recorded so far
+  // The straggler warning (noteWaits): the late rank of each of the last kLateWindow
+  // collectives (-1: none), how often each rank appears there, and who was named already.
+  static constexpr int kLateWindow = 20;
+  int lateWindow_[kLateWindow];
+  int lateNext_ = 0;
+  std::vector<int> lateCount_;
+  std::vector<bool> lateNamed_;
 };
 
 }  // namespace torchring

@@ -2,12 +2,10 @@
 // recorders, the frame table and the failure notification.
 #include "engine/flight_recorder.h"
 
+#include "core/waits.h"
+
 #include <fcntl.h>
 #include <unistd.h>
-
-#if defined(__x86_64__)
-#include <x86intrin.h>
-#endif
 
 #include <algorithm>
 #include <chrono>
@@ -64,13 +62,7 @@ int64_t FlightRecorder::nowNs() {
       .count();
 }
 
-int64_t FlightRecorder::ticks() {
-#if defined(__x86_64__)
-  return static_cast<int64_t>(__rdtsc());
-#else
-  return nowNs();
-#endif
-}
+int64_t FlightRecorder::ticks() { return cpuTicks(); }
 
 FlightRecorder::Slot* FlightRecorder::slotOf(uint64_t id) {
   if (capacity_ == 0) return nullptr;
@@ -199,6 +191,20 @@ std::string FlightRecorder::desc() const {
 std::vector<int> FlightRecorder::ranks() const {
   std::lock_guard<std::mutex> lock(identityMutex_);
   return ranks_;
+}
+
+void FlightRecorder::setWaits(std::function<std::vector<double>()> waits) {
+  std::lock_guard<std::mutex> lock(identityMutex_);
+  waits_ = std::move(waits);
+}
+
+std::vector<double> FlightRecorder::waits() const {
+  std::function<std::vector<double>()> waits;
+  {
+    std::lock_guard<std::mutex> lock(identityMutex_);
+    waits = waits_;
+  }
+  return waits ? waits() : std::vector<double>();
 }
 
 void FlightRecorder::setFailure(const std::string& message) {

@@ -21,6 +21,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -75,6 +76,9 @@ class FlightRecorder {
   std::string name() const;
   std::string desc() const;
   std::vector<int> ranks() const;
+  // Seconds this rank waited for each world rank (the communicator's, set by it at start).
+  void setWaits(std::function<std::vector<double>()> waits);
+  std::vector<double> waits() const;
   // The communicator's first failure, for the dump ("" while none).
   void setFailure(const std::string& message);
   std::string failure() const;
@@ -126,6 +130,7 @@ class FlightRecorder {
   int64_t ticks0_, steady0_;  // ticks() and nowNs() at creation: snapshot()'s calibration
   mutable std::mutex identityMutex_;
   std::string name_, desc_, failure_;
+  std::function<std::vector<double>()> waits_;
   std::vector<int> ranks_;
 };
 

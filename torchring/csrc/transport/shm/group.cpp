@@ -52,7 +52,7 @@ using shm::kPage;
 using shm::roundUp;
 
 ShmGroup::ShmGroup(ShmOptions options) : opt_(std::move(options)), stores_(opt_.stagingStores),
-      oneSyncStores_(opt_.stagingStores) {
+      oneSyncStores_(opt_.stagingStores), waits_(static_cast<int>(opt_.localRanks.size())) {
   controlBytes_ = roundUp(sizeof(Control), kPage);
   tableBytes_ = roundUp(2 * opt_.worldSize * sizeof(OpHeader), kPage);
   stagingOffset_ = controlBytes_ + tableBytes_;

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "core/common.h"
+#include "core/waits.h"
 #include "core/stores.h"
 #include "transport/shm/arena.h"
 
@@ -138,6 +139,9 @@ class ShmGroup {
   // Whether local rank `index` has departed (point-to-point: its last messages may still be
   // in flight, so the caller decides when that means a transfer can no longer complete).
   bool departed(int index) const;
+  // How long this rank waited for each local rank (by local index; core/waits.h).
+  WaitLedger& waits() { return waits_; }
+  const WaitLedger& waits() const { return waits_; }
 
  private:
   struct Control;  // region.h
@@ -175,6 +179,7 @@ class ShmGroup {
   // The same choice for the one-sync path's copy-in (its own history: its time per byte is
   // mostly the synchronization and the peers' reads, unlike a staged segment's).
   StoreChooser oneSyncStores_;
+  WaitLedger waits_;             // by local index (waits())
   bool prestagedStreamed_ = false;        // how the prestaged copy-in was written
   Clock::time_point prestagedStart_{};    // when it began, from StoreChooser::kMinBytes (the call is timed)
   std::vector<uint16_t> shift_;  // per local index: where this allreduce is staged (staged())

@@ -74,6 +74,7 @@ void ShmGroup::waitFor(int index, uint32_t target) {
     return static_cast<int32_t>(peer->stamp.load(std::memory_order_acquire) - target) >= 0;
   };
   if (reached()) return;
+  const TimedWait timed(waits_, index);  // from here on, this rank waits for that one
   // On the progress thread of a one-CPU rank, a spin would take that CPU from the caller.
   const int spins = onProgressThread_ && ownCpus_ <= 1 ? ShmOptions::kNoSpin : opt_.spinIters;
   for (int i = 0; i < spins; ++i) {

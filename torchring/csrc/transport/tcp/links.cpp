@@ -26,7 +26,8 @@ constexpr double kHelloTimeout = 5.0;  // a connecting peer must say hello withi
 
 }  // namespace
 
-TcpLinks::TcpLinks(TcpOptions options) : opt_(std::move(options)), links_(opt_.memberRanks.size()) {}
+TcpLinks::TcpLinks(TcpOptions options)
+    : opt_(std::move(options)), links_(opt_.memberRanks.size()), waits_(static_cast<int>(opt_.memberRanks.size())) {}
 
 TcpLinks::~TcpLinks() { close(); }
 
@@ -283,6 +284,7 @@ void TcpLinks::exchange(int sendTo, const std::vector<Span>& send, int recvFrom,
       } else if (receiving) {
         fds[nfds++] = {recvFd, POLLIN, 0};
       }
+      const TimedWait timed(waits_, receiving ? recvFrom : sendTo);
       int rc = poll(fds, nfds, 100);
       if (rc < 0 && errno != EINTR) fail(std::string("poll failed: ") + std::strerror(errno), receiving ? recvFrom : sendTo);
     }

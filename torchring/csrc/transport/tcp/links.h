@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/common.h"
+#include "core/waits.h"
 #include "schedule/cost.h"
 #include "schedule/schedule.h"
 
@@ -46,6 +47,9 @@ class TcpLinks {
   ~TcpLinks();
 
   int members() const { return static_cast<int>(opt_.memberRanks.size()); }
+  // How long this leader waited for each member's data (by member; core/waits.h).
+  WaitLedger& waits() { return waits_; }
+  const WaitLedger& waits() const { return waits_; }
 
   // Listens on `bindAddr` (all interfaces when empty) on a free port and returns it.
   int listen(const std::string& bindAddr);
@@ -157,6 +161,7 @@ class TcpLinks {
   TcpOptions opt_;
   int listenFd_ = -1;
   std::vector<Link> links_;  // by member; fd -1 for a member that is not a partner
+  WaitLedger waits_;         // by member
   OpHeader op_;
   bool hasOp_ = false;  // no operation yet: messages say "setup"
   std::vector<char> scratch_;

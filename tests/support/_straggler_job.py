@@ -1,0 +1,73 @@
+"""Stragglers for tests/spawned/trace/test_stragglers.py:
+
+    python _straggler_job.py MODE OUT_DIR
+
+MODE sleep: rank 2 sleeps 0.15 s before each of 30 allreduces (persistently late); each rank
+writes stats() and, rank 0, stragglers() to OUT_DIR/result<rank>.json.
+MODE backward: a wrapped MLP trains 20 rounds of 10 steps; in one step of each round rank 1's
+backward takes 200 ms longer (a hook sleeps). After each round every rank's waits since the
+last round are gathered, and rank 0 writes the rank the others waited for most, per round.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+from torch import nn
+
+import torchring
+
+
+def main(mode: str, out_dir: str) -> None:
+    """Runs MODE (see the module's docstring)."""
+    torchring.init()
+    rank = torchring.rank()
+    result: dict = {}
+    if mode == "sleep":
+        t = torch.ones(1024)
+        for _ in range(30):
+            if rank == 2:
+                time.sleep(0.15)
+            torchring.allreduce(t)
+        result = {"stats": torchring.stats(), "report": torchring.stragglers()}
+    else:
+        torch.manual_seed(0)
+        model = torchring.wrap(nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        x = torch.randn(16, 256)
+        delay = {"on": False}
+
+        def slow_backward(grad: torch.Tensor) -> torch.Tensor:
+            if delay["on"]:
+                time.sleep(0.2)
+            return grad
+
+        model.module[0].weight.register_hook(slow_backward)
+        before = torchring.stats()["waited_s"]
+        culprits = []
+        for round_ in range(20):
+            for step in range(10):
+                delay["on"] = rank == 1 and step == (round_ * 3) % 10
+                opt.zero_grad()
+                model(x).square().mean().backward()
+                opt.step()
+            now = torchring.stats()["waited_s"]
+            mine = {peer: now.get(peer, 0.0) - before.get(peer, 0.0) for peer in now}
+            before = now
+            made: dict[int, float] = {}
+            for waits in torchring.allgather_object(mine):
+                for peer, seconds in waits.items():
+                    made[peer] = made.get(peer, 0.0) + seconds
+            culprits.append(max(made, key=made.get) if made else -1)
+        result = {"culprits": culprits}
+    with open(os.path.join(out_dir, f"result{rank}.json"), "w") as f:
+        json.dump(result, f)
+    torchring.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,50 @@
+"""Who made whom wait: each rank's waits by peer, and the straggler report made from all of them.
+
+    torchring.stats()           # {"waited_s": {1: 0.02, 2: 3.1}}: this rank's waits, by world rank
+    torchring.stragglers()      # every rank calls it; the report lines, the slowest rank first
+
+The engine times every wait for a peer past its first check: a rank waiting in shared memory for
+a rank of its host, a host's leader waiting on a TCP link for another host's leader (so across
+hosts the wait is charged to that host's leader, which waited for its own host first). The
+totals run from the communicator's start. A rank that made the others wait is late arriving at
+the collectives: the report sums, for each rank, how long every other rank waited for it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._core import context as _context
+from .._core.group_wiring import GroupBase, target
+from .basic import allgather_object
+
+__all__ = ["stats", "stragglers"]
+
+
+def stats(group: GroupBase | None = None) -> dict[str, Any]:
+    """This rank's waits for each peer, in seconds by world rank, since the world or `group` formed."""
+    t = target(group, "stats")
+    waited = t.comm.waited_seconds()
+    return {"waited_s": {t.ranks[r]: s for r, s in enumerate(waited) if s > 0}}
+
+
+def stragglers(group: GroupBase | None = None, top: int = 5) -> list[str]:
+    """The ranks that made the others wait most, as report lines (a collective: every rank calls it)."""
+    t = target(group, "stragglers")
+    mine = {"rank": t.world_rank, "host": _context.wiring()[2], "waited_s": stats(group)["waited_s"]}
+    everyone = allgather_object(mine, group)
+    hosts = {e["rank"]: e["host"] for e in everyone}
+    made: dict[int, dict[int, float]] = {}
+    for e in everyone:
+        for peer, seconds in e["waited_s"].items():
+            made.setdefault(peer, {})[e["rank"]] = seconds
+    ranked = sorted(made.items(), key=lambda kv: -sum(kv[1].values()))
+    if not ranked:
+        return ["no rank made another wait"]
+    lines = ["who made the others wait (seconds other ranks waited for each, since the start):"]
+    for peer, by in ranked[:top]:
+        waiters = ", ".join(f"rank {r} {s:.3f} s" for r, s in sorted(by.items(), key=lambda kv: -kv[1])[:4])
+        more = f" and {len(by) - 4} more" if len(by) > 4 else ""
+        lines.append(f"  rank {peer} (host {hosts.get(peer, '?')}): {sum(by.values()):.3f} s ({waiters}{more})")
+    return lines
+
