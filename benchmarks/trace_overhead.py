@@ -3,6 +3,7 @@ without the Python lines (TORCHRING_TRACE_FRAMES=0) and on as by default, round 
 
     python benchmarks/trace_overhead.py                      # world 2, 7 rounds
     python benchmarks/trace_overhead.py --rounds 9 --json trace-overhead.json
+    python benchmarks/trace_overhead.py --before /tmp/old    # also a checkout without the recorder
 
 Each round starts the three jobs under torchring-run (in reverse order in odd rounds, so drift
 hits them alike). Each job times, on every rank:
@@ -10,6 +11,9 @@ hits them alike). Each job times, on every rank:
                     20000 calls, µs per call (max over ranks)
   wrap step         a torchring.wrap'ped 4-layer MLP (width 512, batch 32 per rank, SGD): the
                     median of 30 steps after 5 warm-up steps, ms (max over ranks)
+With --before DIR (a checkout of a commit before the recorder and the wait timing, its engine
+built with TORCHRING_CACHE_DIR=DIR/.cache) a fourth job runs that checkout: what everything the
+recorder added costs, the always-on wait timing of the stragglers report included.
 The table shows each measure's median over the rounds and the median of the per-round ratios
 to off (1.00: no cost). A machine that drifts shows it in the per-round spread, printed too.
 """
@@ -70,12 +74,15 @@ def inner() -> None:
 CONFIGS = {"off": {"TORCHRING_TRACE": "0"}, "no lines": {"TORCHRING_TRACE_FRAMES": "0"}, "on": {}}
 
 
-def job(world: int, config: str) -> dict[str, float]:
-    """One job of `world` ranks in configuration `config` (CONFIGS): its two measures."""
+def job(world: int, config: str, before: str | None = None) -> dict[str, float]:
+    """One job of `world` ranks in configuration `config` (CONFIGS, or "before": the checkout `before`)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHRING_TRACE")}
-    env.update(CONFIGS[config], PYTHONPATH=str(_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    root = Path(before) if config == "before" else _ROOT
+    env.update(CONFIGS.get(config, {}), PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if config == "before":
+        env["TORCHRING_CACHE_DIR"] = str(root / ".cache")
     proc = subprocess.run([sys.executable, "-m", "torchring.run", "-np", str(world), sys.executable, __file__,
-                           "--inner"], env=env, capture_output=True, text=True, timeout=600, cwd=_ROOT)
+                           "--inner"], env=env, capture_output=True, text=True, timeout=600, cwd=root)
     for line in proc.stdout.splitlines():
         if "RESULT " in line:
             return json.loads(line.split("RESULT ", 1)[1])
@@ -88,25 +95,29 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--json", help="also write the rounds here")
+    parser.add_argument("--before", help="a checkout without the recorder, timed as a fourth job")
     parser.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args = _harness.parse_args(parser)
     if args.inner:
         return inner()
     info = _harness.machine_info()
     _harness.print_header("flight recorder on vs off", info, f"world {args.world}, {args.rounds} rounds")
+    configs = (["before"] if args.before else []) + list(CONFIGS)
+    base = configs[0]
     rounds = []
     for r in range(args.rounds):
-        order = list(CONFIGS) if r % 2 == 0 else list(reversed(CONFIGS))
-        got = {config: job(args.world, config) for config in order}
+        order = configs if r % 2 == 0 else list(reversed(configs))
+        got = {config: job(args.world, config, args.before) for config in order}
         rounds.append(got)
         print(f"round {r}: " + ", ".join(f"{c} {got[c]['allreduce_us']:.3f} us / {got[c]['step_ms']:.3f} ms"
-                                         for c in CONFIGS), flush=True)
-    print("| measure | " + " | ".join(CONFIGS) + " | " + " | ".join(f"{c} / off [min..max]" for c in list(CONFIGS)[1:]) + " |")
-    print("|---" * (2 * len(CONFIGS)) + "|")
+                                         for c in configs), flush=True)
+    print("| measure | " + " | ".join(configs) + " | " +
+          " | ".join(f"{c} / {base} [min..max]" for c in configs[1:]) + " |")
+    print("|---" * (2 * len(configs)) + "|")
     for key, name, unit in (("allreduce_us", "allreduce 4 KiB", "us"), ("step_ms", "wrap step", "ms")):
-        cells = [f"{statistics.median(x[c][key] for x in rounds):.3f} {unit}" for c in CONFIGS]
-        for c in list(CONFIGS)[1:]:
-            ratios = [x[c][key] / x["off"][key] for x in rounds]
+        cells = [f"{statistics.median(x[c][key] for x in rounds):.3f} {unit}" for c in configs]
+        for c in configs[1:]:
+            ratios = [x[c][key] / x[base][key] for x in rounds]
             cells.append(f"{statistics.median(ratios):.3f} [{min(ratios):.3f}..{max(ratios):.3f}]")
         print(f"| {name} | " + " | ".join(cells) + " |")
     if args.json:
