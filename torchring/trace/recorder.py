@@ -1,29 +1,29 @@
 """When a rank writes its flight-recorder dump: on a failure, on SIGUSR1 or SIGTERM, on request.
 
 ``arm()`` (torchring.init calls it) starts one daemon thread, ``torchring-trace``, blocked on a
-pipe. Three things write to that pipe:
+pipe. Two things write to that pipe:
 
 - the engine, one byte "F" whenever a communicator fails or an operation mismatches
   (engine/flight_recorder.h notifyFailure, from whichever thread saw it);
-- Python's own C signal handler for SIGUSR1 and SIGTERM, through ``signal.set_wakeup_fd``: it
+- the engine's C handler for SIGUSR1 and SIGTERM (engine/flight_recorder.h takeSignals): it
   writes the signal's number at once, even while the main thread is blocked in a lock, a sleep
   or a collective, which is what lets a hung rank still answer. SIGTERM is how a launcher
   (torch's agent, so torchring-run) stops the ranks left when one failed: the rank dumps, then
-  dies of SIGTERM as it would have, so the launcher finds every rank's record;
-- ``dump_trace()``, which then also waits for the file.
+  the engine's watchdog ends it as SIGTERM would have (after 3 s at most, dump or not), so the
+  launcher finds every rank's record and no rank outlives its SIGTERM by more than that;
+- ``dump_trace()`` writes on the calling thread instead.
 
 The thread takes the engine's snapshot and the Python stacks of every thread, and writes the
 dump (dump.py) to ``TORCHRING_TRACE_DIR`` (default: one directory per job under the temporary
 directory). A failure is dumped at most once per second (the file of the latest one stays); at
-exit, a failure whose dump is still being written is waited for. A signal is taken only when
-the process has no handler of its own for it, and the wakeup fd only when nobody else set one
-(then a signal is seen once the main thread runs Python again).
+exit, a failure whose dump is still being written is waited for. A signal is taken only while
+its action is still the default (a program's own handler stays); a forked child (a DataLoader
+worker), which shares the pipe, takes the default action at once.
 """
 
 from __future__ import annotations
 
 import atexit
-import ctypes
 import logging
 import os
 import signal
@@ -38,6 +38,7 @@ from . import dump as _dump
 
 _log = logging.getLogger("torchring")
 _FAILURE, _REQUEST, _QUIT = b"F", b"R", b"Q"
+_SIGTERM_GRACE_S = 3.0  # how long a SIGTERM'd rank may take to dump before it ends anyway
 
 
 @dataclass
@@ -51,14 +52,10 @@ class _Armed:
     read_fd: int
     write_fd: int
     thread: threading.Thread | None = None
-    old_wakeup_fd: int | None = None      # set when this module took the wakeup fd
-    old_handlers: dict[int, Any] = field(default_factory=dict)  # the signals this module took
+    signals: list[int] = field(default_factory=list)  # the signals the engine took for this module
     lock: threading.Lock = field(default_factory=threading.Lock)
-    written: threading.Condition = field(default_factory=threading.Condition)
-    dumps: int = 0                        # dumps written so far
     pending_failure: bool = False         # a failure was announced and its dump not yet written
     last_failure_dump: float = 0.0
-    last_path: Path | None = None
 
 
 _armed: _Armed | None = None
@@ -81,41 +78,20 @@ def arm(engine: Any, rank: int, world: int, host: str, directory: str | os.PathL
     os.set_blocking(write_fd, False)
     state = _Armed(engine, Path(directory), rank, world, host, timeout_s, read_fd, write_fd)
     engine.set_trace_notify_fd(write_fd)
-    _take_signal(state)
+    _take_signals(state)
     state.thread = threading.Thread(target=_serve, args=(state,), name="torchring-trace", daemon=True)
     state.thread.start()
     _armed = state
     atexit.register(_at_exit)
 
 
-_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
-
-
-def _take_signal(state: _Armed) -> None:
-    if threading.current_thread() is not threading.main_thread():
-        return  # signal handlers can only be set from the main thread
-    for signum in _SIGNALS:
-        if signal.getsignal(signum) not in (signal.SIG_DFL, None):
+def _take_signals(state: _Armed) -> None:
+    taken = state.engine.take_trace_signals(_SIGTERM_GRACE_S)
+    state.signals = list(taken)
+    for signum in (signal.SIGUSR1, signal.SIGTERM):
+        if signum not in taken:
             _log.info("torchring: %s has a handler of this program's; the flight recorder does not "
                       "dump on it (torchring.dump_trace() still writes a dump)", signal.Signals(signum).name)
-            continue
-        state.old_handlers[signum] = signal.signal(signum, _on_signal)
-    if not state.old_handlers:
-        return
-    try:
-        old = signal.set_wakeup_fd(state.write_fd, warn_on_full_buffer=False)
-    except ValueError:
-        return
-    if old != -1:  # someone else's (asyncio): give it back; SIGUSR1 then waits for the main thread
-        signal.set_wakeup_fd(old)
-    else:
-        state.old_wakeup_fd = old
-
-
-def _on_signal(signum: int, frame: Any) -> None:
-    state = _armed
-    if state is not None and state.old_wakeup_fd is None:  # no wakeup fd of ours: tell the thread here
-        _poke(state, bytes([signum]))
 
 
 def _poke(state: _Armed, byte: bytes) -> None:
@@ -135,9 +111,10 @@ def _serve(state: _Armed) -> None:
             return
         failure = _FAILURE in data
         request = _REQUEST in data or bytes([signal.SIGUSR1]) in data
-        if bytes([signal.SIGTERM]) in data:  # dump, then end as SIGTERM would have
+        if bytes([signal.SIGTERM]) in data:  # dump; the engine's watchdog then ends the process
             _write(state, "SIGTERM")
-            _die_of_sigterm()
+            state.engine.trace_signal_dumped()
+            return
         if failure:
             state.pending_failure = True
             if time.monotonic() - state.last_failure_dump < 1.0 and not request:
@@ -147,17 +124,6 @@ def _serve(state: _Armed) -> None:
             _write(state, reason)
             if failure:
                 state.last_failure_dump = time.monotonic()
-
-
-def _die_of_sigterm() -> None:
-    """Ends the process as SIGTERM's default action does (this thread may not be the main one,
-    where Python sets handlers: libc's signal() is called directly)."""
-    try:
-        ctypes.CDLL(None).signal(signal.SIGTERM, ctypes.c_void_p(0))  # SIG_DFL
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(5)  # the signal is delivered to some thread; none of ours handles it now
-    finally:
-        os._exit(128 + signal.SIGTERM)
 
 
 def _write(state: _Armed, reason: str) -> Path | None:
@@ -173,10 +139,6 @@ def _write(state: _Armed, reason: str) -> Path | None:
             _log.warning("torchring: rank %d could not write its flight-recorder dump to %s: %s",
                          state.rank, state.directory, e)
             path = None
-    with state.written:
-        state.dumps += 1
-        state.last_path = path
-        state.written.notify_all()
     return path
 
 
@@ -204,12 +166,7 @@ def disarm() -> None:
     if state is None:
         return
     state.engine.set_trace_notify_fd(-1)
-    if threading.current_thread() is threading.main_thread():
-        if state.old_wakeup_fd is not None:
-            signal.set_wakeup_fd(state.old_wakeup_fd)
-        for signum, old in state.old_handlers.items():
-            if signal.getsignal(signum) is _on_signal:
-                signal.signal(signum, old if old is not None else signal.SIG_DFL)
+    state.engine.release_trace_signals()
     _poke(state, _QUIT)
     if state.thread is not None:
         state.thread.join(timeout=5)

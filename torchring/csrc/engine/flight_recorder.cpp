@@ -5,7 +5,12 @@
 #include "core/waits.h"
 
 #include <fcntl.h>
+#include <semaphore.h>
+#include <signal.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <thread>
 
 #include <algorithm>
 #include <chrono>
@@ -249,6 +254,83 @@ uint32_t FlightRecorder::callerFrame() {
 void FlightRecorder::setFrameProvider(uint32_t (*provider)()) { gProvider.store(provider); }
 
 void FlightRecorder::setNotifyFd(int fd) { gNotifyFd.store(fd); }
+
+namespace {
+
+constexpr int kSignals[] = {SIGUSR1, SIGTERM};
+struct sigaction gOldActions[2];
+bool gTaken[2] = {false, false};
+std::atomic<pid_t> gArmedPid{0};
+std::atomic<bool> gDumped{false};
+sem_t gTermSem;
+double gGraceSec = 3;
+
+void onSignal(int sig) {
+  const int saved = errno;
+  if (getpid() != gArmedPid.load()) {  // a forked child: what the default action would do
+    signal(sig, SIG_DFL);
+    raise(sig);
+  } else {
+    const int fd = gNotifyFd.load();
+    const char byte = static_cast<char>(sig);
+    if (fd >= 0) (void)!write(fd, &byte, 1);
+    if (sig == SIGTERM) sem_post(&gTermSem);
+  }
+  errno = saved;
+}
+
+// After SIGTERM: the dump's grace, then the default action.
+void termWatchdog() {
+  for (;;) {
+    while (sem_wait(&gTermSem) != 0) {
+    }
+    if (gArmedPid.load() != getpid()) continue;  // released: nothing to end
+    const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(gGraceSec);
+    while (!gDumped.load() && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    signal(SIGTERM, SIG_DFL);
+    kill(getpid(), SIGTERM);
+  }
+}
+
+}  // namespace
+
+std::vector<int> FlightRecorder::takeSignals(double graceSec) {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    sem_init(&gTermSem, 0, 0);
+    std::thread(termWatchdog).detach();
+  });
+  gGraceSec = graceSec;
+  gDumped = false;
+  gArmedPid = getpid();
+  std::vector<int> taken;
+  for (int i = 0; i < 2; ++i) {
+    struct sigaction current {};
+    if (gTaken[i] || sigaction(kSignals[i], nullptr, &current) != 0) continue;
+    if (current.sa_handler != SIG_DFL || (current.sa_flags & SA_SIGINFO)) continue;  // the program's own
+    struct sigaction ours {};
+    ours.sa_handler = onSignal;
+    sigemptyset(&ours.sa_mask);
+    ours.sa_flags = SA_RESTART;
+    if (sigaction(kSignals[i], &ours, &gOldActions[i]) == 0) {
+      gTaken[i] = true;
+      taken.push_back(kSignals[i]);
+    }
+  }
+  return taken;
+}
+
+void FlightRecorder::releaseSignals() {
+  gArmedPid = 0;
+  for (int i = 0; i < 2; ++i) {
+    if (gTaken[i]) sigaction(kSignals[i], &gOldActions[i], nullptr);
+    gTaken[i] = false;
+  }
+}
+
+void FlightRecorder::signalDumped() { gDumped = true; }
 
 void FlightRecorder::notifyFailure() {
   const int fd = gNotifyFd.load();

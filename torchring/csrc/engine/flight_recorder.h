@@ -97,6 +97,15 @@ class FlightRecorder {
   static uint32_t callerFrame();
   static void setFrameProvider(uint32_t (*provider)());
 
+  // SIGUSR1 and SIGTERM, where their action is still the default: a C handler writes the
+  // signal's number to the notify fd, so the dump starts at once whatever the main thread is
+  // doing. After SIGTERM a watchdog thread waits until signalDumped() or graceSec, then puts
+  // the default action back and raises SIGTERM again: the process ends as it would have. In
+  // a forked child (which shares the fd) both signals take their default action at once.
+  // Returns the signals taken.
+  static std::vector<int> takeSignals(double graceSec);
+  static void releaseSignals();
+  static void signalDumped();
   // Where a failure is announced (-1: nowhere): notifyFailure() writes one byte to it.
   static void setNotifyFd(int fd);
   static void notifyFailure();
