@@ -53,7 +53,7 @@ def _create(options: Any, pg_options: Any = None) -> Any:
                               trace=(f"c10d:{group_id or '0'}", desc, ranks))[0]
     if not dist.is_initialized():  # the default group: its ranks are the world's
         settings = Settings.from_env(os.environ)
-        job_id = settings.job_id or _env.detect().job_id
+        job_id = settings.job_id or _env.launcher_job_id(os.environ)  # torch gave the ranks: no detect()
         _recorder.arm(_build.load(), int(options.group_rank), size, settings.hostname or socket.gethostname(),
                       settings.trace_directory(job_id), timeout or settings.timeout, settings.trace_frames)
     return backend

@@ -100,12 +100,14 @@ def init(timeout: float | None = None, membership: tuple[int, int, int] | None =
                     master_addr=launch.master_addr, host_groups=groups,
                     allreduce_now=engine.allreduce_now_function(comm))
     _last_settings = settings
-    _recorder.arm(engine, rank, world, host, settings.trace_directory(job_id), settings.timeout,
-                  settings.trace_frames)
     # At exit, a job that never called shutdown() still lets its last GPU collectives finish
     # and stops the NCCL watchdog before the CUDA runtime unloads (registered once).
     atexit.unregister(shutdown)
     atexit.register(shutdown)
+    # After shutdown's registration: at exit the recorder dumps a pending failure first, while
+    # the communicators it reads still live.
+    _recorder.arm(engine, rank, world, host, settings.trace_directory(job_id), settings.timeout,
+                  settings.trace_frames)
     try:
         _gpu_path.setup(engine, dist.PrefixStore(prefix, store) if store is not None else None, rank,
                         world, local_rank, host, settings, shrink_from)

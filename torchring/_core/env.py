@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .settings import invalid
@@ -79,10 +80,15 @@ def store_host(env: dict | None = None) -> str:
     return (os.environ if env is None else env).get("MASTER_ADDR") or "127.0.0.1"
 
 
+def launcher_job_id(env: Mapping[str, str]) -> str:
+    """The launcher's run id (torchrun's, SLURM's), else "job"; read without the rest of the launch."""
+    return env.get("TORCHELASTIC_RUN_ID") or env.get("SLURM_JOB_ID") or "job"
+
+
 def detect(env: dict | None = None) -> Launch:
     """Reads the launcher's variables (torchrun, Open MPI, PMI, SLURM) or returns world size 1."""
     env = dict(os.environ if env is None else env)
-    job_id = env.get("TORCHELASTIC_RUN_ID") or env.get("SLURM_JOB_ID") or "job"
+    job_id = launcher_job_id(env)
     restart = _int(env, "TORCHELASTIC_RESTART_COUNT") or 0
     agent = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     port = _int(env, "MASTER_PORT")

@@ -250,6 +250,7 @@ void bindTrace(py::module_& m) {
       },
       py::arg("prefixes"), "file prefixes whose frames are passed over (and turns frame capture on)");
   m.def("capture_frame", [] { return captureFrame(0); }, "the caller's frame id (0: none), as operations record it");
+  m.def("trace_failures", &FlightRecorder::failures, "failures announced to the recorder so far");
   m.def("take_trace_signals", &FlightRecorder::takeSignals, py::arg("grace_sec"),
         "SIGUSR1 and SIGTERM (where still at their default) write to the notify fd; the signals taken");
   m.def("release_trace_signals", &FlightRecorder::releaseSignals, "gives SIGUSR1 and SIGTERM back");

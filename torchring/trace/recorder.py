@@ -55,6 +55,7 @@ class _Armed:
     signals: list[int] = field(default_factory=list)  # the signals the engine took for this module
     lock: threading.Lock = field(default_factory=threading.Lock)
     pending_failure: bool = False         # a failure was announced and its dump not yet written
+    failures_dumped: int = 0              # engine.trace_failures() when the last dump began
     last_failure_dump: float = 0.0
 
 
@@ -66,6 +67,10 @@ def arm(engine: Any, rank: int, world: int, host: str, directory: str | os.PathL
     """Starts dumping this rank's flight records to `directory` on failures and signals
     (idempotent); `frames`: operations also record the Python line that issued them."""
     global _armed
+    # Registered again on every call: at exit this runs before whatever registered since
+    # (torchring.shutdown), while the communicators still live.
+    atexit.unregister(_at_exit)
+    atexit.register(_at_exit)
     if _armed is not None:
         _armed.rank, _armed.world, _armed.host = rank, world, host
         _armed.directory, _armed.timeout_s = Path(directory), timeout_s
@@ -82,7 +87,6 @@ def arm(engine: Any, rank: int, world: int, host: str, directory: str | os.PathL
     state.thread = threading.Thread(target=_serve, args=(state,), name="torchring-trace", daemon=True)
     state.thread.start()
     _armed = state
-    atexit.register(_at_exit)
 
 
 def _take_signals(state: _Armed) -> None:
@@ -128,10 +132,15 @@ def _serve(state: _Armed) -> None:
 
 def _write(state: _Armed, reason: str) -> Path | None:
     with state.lock:
-        failed = state.pending_failure
+        announced = state.engine.trace_failures()
+        failed = state.pending_failure or announced > state.failures_dumped
         state.pending_failure = False
+        state.failures_dumped = announced
         try:
-            built = _dump.build(state.engine.trace_snapshot(), rank=state.rank, world=state.world,
+            snapshot = state.engine.trace_snapshot()
+            if not snapshot[0] and reason != "request":  # every communicator is gone: keep the last dump
+                return None
+            built = _dump.build(snapshot, rank=state.rank, world=state.world,
                                 host=state.host, reason=reason if not failed else "failure",
                                 timeout_s=state.timeout_s)
             path = _dump.write(built, state.directory, state.rank)
@@ -154,8 +163,9 @@ def directory() -> Path | None:
 
 
 def _at_exit() -> None:
+    # A failure may end the process before the thread has read its byte: the engine's count says.
     state = _armed
-    if state is not None and state.pending_failure:
+    if state is not None and (state.pending_failure or state.engine.trace_failures() > state.failures_dumped):
         _write(state, "failure")
 
 

@@ -407,12 +407,6 @@ std::string Communicator::failedMessage(const OpHeader& header) const {
          failure_;
 }
 
-// Runs one operation and completes its handle. A mismatch (thrown by checkHeaders, after the
-// header exchange and before any data moved) fails only this operation: every rank saw the
-// same table of headers, so every rank fails it the same way and the next operation starts
-// from the same state everywhere. Any other failure fails the communicator: the peers are
-// told (shared-memory abort, ring sockets closed, failure board), and every later operation
-// reports the first failure.
 std::vector<double> Communicator::waitedSeconds() const {
   std::vector<double> out(opt_.size, 0.0);
   const double secPerTick = nsPerTick() * 1e-9;
@@ -465,6 +459,12 @@ void Communicator::noteWaits(const OpHeader& header) {
   warn(msg.str());
 }
 
+// Runs one operation and completes its handle. A mismatch (thrown by checkHeaders, after the
+// header exchange and before any data moved) fails only this operation: every rank saw the
+// same table of headers, so every rank fails it the same way and the next operation starts
+// from the same state everywhere. Any other failure fails the communicator: the peers are
+// told (shared-memory abort, ring sockets closed, failure board), and every later operation
+// reports the first failure.
 void Communicator::execute(Op& op) {
   recorder_->started(op.traceId);
   if (shm_) shm_->waits().startOp();

@@ -2,18 +2,17 @@
 // recorders, the frame table and the failure notification.
 #include "engine/flight_recorder.h"
 
-#include "core/waits.h"
-
 #include <fcntl.h>
 #include <semaphore.h>
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <thread>
 
-#include <algorithm>
-#include <chrono>
+#include "core/waits.h"
 
 namespace torchring {
 
@@ -332,7 +331,12 @@ void FlightRecorder::releaseSignals() {
 
 void FlightRecorder::signalDumped() { gDumped = true; }
 
+std::atomic<uint64_t> gFailures{0};
+
+uint64_t FlightRecorder::failures() { return gFailures.load(); }
+
 void FlightRecorder::notifyFailure() {
+  gFailures.fetch_add(1);
   const int fd = gNotifyFd.load();
   if (fd < 0) return;
   const char byte = 'F';

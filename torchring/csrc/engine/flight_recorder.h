@@ -109,6 +109,9 @@ class FlightRecorder {
   // Where a failure is announced (-1: nowhere): notifyFailure() writes one byte to it.
   static void setNotifyFd(int fd);
   static void notifyFailure();
+  // How many failures notifyFailure() announced so far (the at-exit dump compares it with
+  // those already dumped: the pipe's byte may not have been read when the process ends).
+  static uint64_t failures();
   // The steady clock in nanoseconds, what snapshot() gives the entries' times in.
   static int64_t nowNs();
   // The cheap clock records read: the time-stamp counter on x86-64, else nowNs().
