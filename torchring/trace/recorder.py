@@ -37,7 +37,7 @@ from typing import Any
 from . import dump as _dump
 
 _log = logging.getLogger("torchring")
-_FAILURE, _REQUEST, _QUIT = b"F", b"R", b"Q"
+_FAILURE = b"F"
 _SIGTERM_GRACE_S = 3.0  # how long a SIGTERM'd rank may take to dump before it ends anyway
 
 
@@ -52,7 +52,6 @@ class _Armed:
     read_fd: int
     write_fd: int
     thread: threading.Thread | None = None
-    signals: list[int] = field(default_factory=list)  # the signals the engine took for this module
     lock: threading.Lock = field(default_factory=threading.Lock)
     pending_failure: bool = False         # a failure was announced and its dump not yet written
     failures_dumped: int = 0              # engine.trace_failures() when the last dump began
@@ -91,18 +90,10 @@ def arm(engine: Any, rank: int, world: int, host: str, directory: str | os.PathL
 
 def _take_signals(state: _Armed) -> None:
     taken = state.engine.take_trace_signals(_SIGTERM_GRACE_S)
-    state.signals = list(taken)
     for signum in (signal.SIGUSR1, signal.SIGTERM):
         if signum not in taken:
             _log.info("torchring: %s has a handler of this program's; the flight recorder does not "
                       "dump on it (torchring.dump_trace() still writes a dump)", signal.Signals(signum).name)
-
-
-def _poke(state: _Armed, byte: bytes) -> None:
-    try:
-        os.write(state.write_fd, byte)
-    except (BlockingIOError, OSError):
-        pass  # a full pipe already has a dump coming
 
 
 def _serve(state: _Armed) -> None:
@@ -111,10 +102,10 @@ def _serve(state: _Armed) -> None:
             data = os.read(state.read_fd, 64)
         except OSError:
             return
-        if not data or _QUIT in data:
+        if not data:
             return
         failure = _FAILURE in data
-        request = _REQUEST in data or bytes([signal.SIGUSR1]) in data
+        request = bytes([signal.SIGUSR1]) in data
         if bytes([signal.SIGTERM]) in data:  # dump; the engine's watchdog then ends the process
             _write(state, "SIGTERM")
             state.engine.trace_signal_dumped()
@@ -132,23 +123,25 @@ def _serve(state: _Armed) -> None:
 
 def _write(state: _Armed, reason: str) -> Path | None:
     with state.lock:
-        announced = state.engine.trace_failures()
-        failed = state.pending_failure or announced > state.failures_dumped
-        state.pending_failure = False
-        state.failures_dumped = announced
-        try:
-            snapshot = state.engine.trace_snapshot()
-            if not snapshot[0] and reason != "request":  # every communicator is gone: keep the last dump
-                return None
-            built = _dump.build(snapshot, rank=state.rank, world=state.world,
-                                host=state.host, reason=reason if not failed else "failure",
-                                timeout_s=state.timeout_s)
-            path = _dump.write(built, state.directory, state.rank)
-        except Exception as e:  # a dump must never take the job down
-            _log.warning("torchring: rank %d could not write its flight-recorder dump to %s: %s",
-                         state.rank, state.directory, e)
-            path = None
-    return path
+        return _write_locked(state, reason)
+
+
+def _write_locked(state: _Armed, reason: str) -> Path | None:
+    announced = state.engine.trace_failures()
+    failed = state.pending_failure or announced > state.failures_dumped
+    state.pending_failure = False
+    state.failures_dumped = announced
+    try:
+        snapshot = state.engine.trace_snapshot()
+        if not snapshot[0] and reason != "request":  # every communicator is gone: keep the last dump
+            return None
+        built = _dump.build(snapshot, rank=state.rank, world=state.world, host=state.host,
+                            reason=reason if not failed else "failure", timeout_s=state.timeout_s)
+        return _dump.write(built, state.directory, state.rank)
+    except Exception as e:  # a dump must never take the job down
+        _log.warning("torchring: rank %d could not write its flight-recorder dump to %s: %s",
+                     state.rank, state.directory, e)
+        return None
 
 
 def dump_now(reason: str = "request") -> Path | None:
@@ -157,32 +150,14 @@ def dump_now(reason: str = "request") -> Path | None:
     return _write(state, reason) if state is not None else None
 
 
-def directory() -> Path | None:
-    """Where this rank's dumps go (None before torchring.init)."""
-    return _armed.directory if _armed is not None else None
-
-
 def _at_exit() -> None:
-    # A failure may end the process before the thread has read its byte: the engine's count says.
+    # The thread's dump in progress is waited for (once the interpreter finalizes, a daemon thread
+    # stops where it is, its file unwritten); a failure whose byte it has not read yet is dumped
+    # here: the engine's count says.
     state = _armed
-    if state is not None and (state.pending_failure or state.engine.trace_failures() > state.failures_dumped):
-        _write(state, "failure")
-
-
-def disarm() -> None:
-    """Stops dumping: the thread ends, SIGUSR1 and the wakeup fd go back to what they were."""
-    global _armed
-    state, _armed = _armed, None
     if state is None:
         return
-    state.engine.set_trace_notify_fd(-1)
-    state.engine.release_trace_signals()
-    _poke(state, _QUIT)
-    if state.thread is not None:
-        state.thread.join(timeout=5)
-    for fd in (state.read_fd, state.write_fd):
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    atexit.unregister(_at_exit)
+    with state.lock:
+        if state.pending_failure or state.engine.trace_failures() > state.failures_dumped:
+            _write_locked(state, "failure")
+
