@@ -147,3 +147,17 @@ def test_the_settings_name_the_recorders_size_and_directory(tmp_path: Path) -> N
     assert default.trace == 512 and default.trace_frames and default.trace_directory("run/7").parts[-2:] == ("torchring-trace", "run_7")
     with pytest.raises(ValueError, match=r"TORCHRING_TRACE='-1': expected an integer number of operations"):
         Settings.from_env({"TORCHRING_TRACE": "-1"})
+
+
+def test_the_command_line_prints_the_diagnosis_and_writes_the_chrome_trace(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from torchring.trace.__main__ import main  # here: the module is the command line
+
+    assert main([str(tmp_path)]) == 1
+    assert "no torchring flight-recorder dumps" in capsys.readouterr().out
+    for r in range(2):
+        write_rank(tmp_path, r, 2, [op(0), op(1, "broadcast", "failed", frame=2)] if r == 0 else [op(0)], OWN)
+    assert main([str(tmp_path), "--chrome", str(tmp_path / "t.json")]) == 0
+    out = capsys.readouterr().out
+    assert "world (2 ranks): operation #1 is the first that not every rank finished." in out
+    assert f"Chrome trace: {tmp_path / 't.json'}" in out and json.loads((tmp_path / "t.json").read_text())
