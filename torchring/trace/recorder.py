@@ -56,6 +56,7 @@ class _Armed:
     pending_failure: bool = False         # a failure was announced and its dump not yet written
     failures_dumped: int = 0              # engine.trace_failures() when the last dump began
     last_failure_dump: float = 0.0
+    pid: int = field(default_factory=os.getpid)  # the armed process (a fork's copy does nothing)
 
 
 _armed: _Armed | None = None
@@ -155,7 +156,7 @@ def _at_exit() -> None:
     # stops where it is, its file unwritten); a failure whose byte it has not read yet is dumped
     # here: the engine's count says.
     state = _armed
-    if state is None:
+    if state is None or state.pid != os.getpid():  # a forked child: its lock may be held forever
         return
     with state.lock:
         if state.pending_failure or state.engine.trace_failures() > state.failures_dumped:
