@@ -36,7 +36,7 @@ thread_local uint32_t tCallerFrame = 0;
 
 }  // namespace
 
-FlightRecorder::FlightRecorder(size_t capacity) : capacity_(capacity), ticks0_(ticks()), steady0_(nowNs()) {
+FlightRecorder::FlightRecorder(size_t capacity) : capacity_(capacity) {
   if (capacity_ > 0) slots_.reset(new Slot[capacity_]);
 }
 
@@ -132,10 +132,10 @@ void FlightRecorder::finished(uint64_t id, bool ok) {
 std::vector<TraceEntry> FlightRecorder::snapshot() const {
   std::vector<TraceEntry> out;
   if (capacity_ == 0) return out;
-  // ticks -> steady ns, from the creation pair and one taken now.
+  // ticks -> steady ns: back from now at the engine's one calibration (core/waits.h nsPerTick).
   const int64_t ticksNow = ticks(), steadyNow = nowNs();
-  const double nsPerTick = ticksNow > ticks0_ ? double(steadyNow - steady0_) / double(ticksNow - ticks0_) : 1.0;
-  auto toNs = [&](int64_t t) { return t == 0 ? int64_t{0} : steady0_ + int64_t(double(t - ticks0_) * nsPerTick); };
+  const double perTick = nsPerTick();
+  auto toNs = [&](int64_t t) { return t == 0 ? int64_t{0} : steadyNow - int64_t(double(ticksNow - t) * perTick); };
   const uint64_t end = next_.load(std::memory_order_acquire);
   const uint64_t begin = end > capacity_ ? end - capacity_ : 0;
   out.reserve(end - begin);

@@ -10,8 +10,8 @@
 // between two loads of its version and keeps the copy only when both are the same even number
 // (a seqlock). started() and finished() touch only atomics, and only while the slot still
 // holds their id. Times are read from the CPU's time-stamp counter (a third of the steady
-// clock's cost) and turned into steady-clock nanoseconds only by snapshot(), from the two
-// (ticks, steady) pairs taken at creation and at the snapshot; an operation that starts as it
+// clock's cost) and turned into steady-clock nanoseconds only by snapshot(), counting back
+// from now at core/waits.h's nsPerTick(); an operation that starts as it
 // is recorded (run inline on an idle communicator) reads the clock once for both.
 //
 // Process-wide, next to the recorders: the table of Python frames (bindings.cpp interns them
@@ -139,7 +139,6 @@ class FlightRecorder {
   size_t capacity_;
   std::unique_ptr<Slot[]> slots_;
   std::atomic<uint64_t> next_{0};
-  int64_t ticks0_, steady0_;  // ticks() and nowNs() at creation: snapshot()'s calibration
   mutable std::mutex identityMutex_;
   std::string name_, desc_, failure_;
   std::function<std::vector<double>()> waits_;
