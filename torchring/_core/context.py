@@ -107,7 +107,7 @@ def init(timeout: float | None = None, membership: tuple[int, int, int] | None =
     # After shutdown's registration: at exit the recorder dumps a pending failure first, while
     # the communicators it reads still live.
     _recorder.arm(engine, rank, world, host, settings.trace_directory(job_id), settings.timeout,
-                  settings.trace_frames)
+                  settings.trace_frames, settings.status_s)
     try:
         _gpu_path.setup(engine, dist.PrefixStore(prefix, store) if store is not None else None, rank,
                         world, local_rank, host, settings, shrink_from)
@@ -152,6 +152,7 @@ def shutdown() -> None:
     if _state is None:
         return
     state, _state = _state, None
+    _recorder.write_status(ending=True)  # while the communicators still hold their counts
     state.world_group = None  # it holds the state: without this, the communicator lives until a gc pass
     groups, state.groups = list(state.groups.values()), {}
     for comm in groups:  # every group first: their queues fail, the world's work may still end

@@ -60,6 +60,7 @@ class Settings:
     trace: int = 512                 # TORCHRING_TRACE: operations the flight recorder keeps (0: off)
     trace_frames: bool = True        # TORCHRING_TRACE_FRAMES: record the Python line of each operation
     trace_dir: str | None = None     # TORCHRING_TRACE_DIR: None = one per job under the temp dir
+    status_s: float = 0.0            # TORCHRING_STATUS_S: seconds between status files (0: none)
     straggler_ms: float = 100.0      # TORCHRING_STRAGGLER_MS: persistent-lateness warning threshold (0: off)
 
     @classmethod
@@ -152,6 +153,11 @@ def _integer(lo: int, hi: int, unit: str) -> Callable[[str, str, str], int]:
 def _seconds(name: str, raw: str, default: str) -> float:
     return number(name, raw, default, float, lambda v: math.isfinite(v) and 0 < v <= _WEEK,
                   f"a number of seconds > 0 and at most {_WEEK} (a week)")
+
+
+def _interval(name: str, raw: str, default: str) -> float:
+    return number(name, raw, default, float, lambda v: v == 0 or 0.1 <= v <= 3600,
+                  "0 (off) or a number of seconds from 0.1 to 3600")
 
 
 def _milliseconds(name: str, raw: str, default: str) -> float:
@@ -258,6 +264,7 @@ _VARIABLES = (
     _Variable("TORCHRING_TRACE_FRAMES", "trace_frames", switch, "1"),
     _Variable("TORCHRING_STRAGGLER_MS", "straggler_ms", _milliseconds, "100"),
     _Variable("TORCHRING_TRACE_DIR", "trace_dir", text, "(torchring-trace/<job id> under the temporary directory)"),
+    _Variable("TORCHRING_STATUS_S", "status_s", _interval, "0 (torchring-run: 1)"),
 )
 # What cache_dir() reads.
 _PATH_VARIABLES = ("TORCHRING_CACHE_DIR", "XDG_CACHE_HOME", "HOME")

@@ -41,6 +41,7 @@ from torch.utils import _pytree
 from .._core import context as _context, gpu_path as _gpu_path
 from ..collectives import basic as collectives
 from .._core.errors import TorchringError
+from ..trace import progress as _progress
 from .._core.types import describe, dtype_name
 from ..collectives._checks import dtype_advice
 from .hooks import LOCK, GradHooks
@@ -276,6 +277,7 @@ class DistributedModel(nn.Module):
         the first sync, the one-time rebuild in rank 0's ready order (a collective)."""
         with LOCK:
             self._reducer.finalize()
+        _progress.step()  # a gradient sync is a training step, for the rank's status
         self._sparse.sync()
         if not self._reducer.rebuilt:
             self._rebucket(learn_order=False)

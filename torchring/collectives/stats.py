@@ -7,14 +7,16 @@ The engine times every wait for a peer past its first check: a rank waiting in s
 a rank of its host, a host's leader waiting on a TCP link for another host's leader (so across
 hosts the wait is charged to that host's leader, which waited for its own host first). The
 totals run from the communicator's start. A rank that made the others wait is late arriving at
-the collectives: the report sums, for each rank, how long every other rank waited for it.
+the collectives: the report (torchring/trace/stragglers.py) sums, for each rank, how long every
+other rank waited for it, and names the phase it was late in.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .._core import context as _context
+from .._core import build as _build, context as _context
+from ..trace import status as _status, stragglers as _stragglers
 from .._core.group_wiring import GroupBase, target
 from .basic import allgather_object
 
@@ -31,20 +33,6 @@ def stats(group: GroupBase | None = None) -> dict[str, Any]:
 def stragglers(group: GroupBase | None = None, top: int = 5) -> list[str]:
     """The ranks that made the others wait most, as report lines (a collective: every rank calls it)."""
     t = target(group, "stragglers")
-    mine = {"rank": t.world_rank, "host": _context.wiring()[2], "waited_s": stats(group)["waited_s"]}
-    everyone = allgather_object(mine, group)
-    hosts = {e["rank"]: e["host"] for e in everyone}
-    made: dict[int, dict[int, float]] = {}
-    for e in everyone:
-        for peer, seconds in e["waited_s"].items():
-            made.setdefault(peer, {})[e["rank"]] = seconds
-    ranked = sorted(made.items(), key=lambda kv: -sum(kv[1].values()))
-    if not ranked:
-        return ["no rank made another wait"]
-    lines = ["who made the others wait (seconds other ranks waited for each, since the start):"]
-    for peer, by in ranked[:top]:
-        waiters = ", ".join(f"rank {r} {s:.3f} s" for r, s in sorted(by.items(), key=lambda kv: -kv[1])[:4])
-        more = f" and {len(by) - 4} more" if len(by) > 4 else ""
-        lines.append(f"  rank {peer} (host {hosts.get(peer, '?')}): {sum(by.values()):.3f} s ({waiters}{more})")
-    return lines
-
+    mine = {"rank": t.world_rank, "host": _context.wiring()[2], "waited_s": stats(group)["waited_s"],
+            "phases": _status.phases(_build.load())}
+    return _stragglers.report(allgather_object(mine, group), top=top)

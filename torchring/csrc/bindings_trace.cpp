@@ -18,6 +18,7 @@
 
 #include "engine/communicator.h"
 #include "engine/flight_recorder.h"
+#include "engine/progress_meter.h"
 
 namespace py = pybind11;
 
@@ -197,6 +198,21 @@ py::dict entryDict(const TraceEntry& entry) {
   return d;
 }
 
+// An entry for a status line: what it is, its group, where it was issued, how old it is.
+py::dict progressEntry(const TraceEntry& e, const std::string& group, int64_t nowNs) {
+  py::dict d = entryDict(e);
+  d["group"] = group;
+  if (e.frame != 0) {
+    const TraceFrame f = FlightRecorder::frame(e.frame);
+    d["line"] = py::make_tuple(f.file, f.line, f.function);
+  } else {
+    d["line"] = py::none();
+  }
+  d["age_s"] = double(nowNs - e.enqueuedNs) * 1e-9;
+  d["ago_s"] = e.finishedNs ? py::object(py::float_(double(nowNs - e.finishedNs) * 1e-9)) : py::object(py::none());
+  return d;
+}
+
 }  // namespace
 
 void noteCaller(const Communicator& comm, int depth) {
@@ -241,6 +257,26 @@ void bindTrace(py::module_& m) {
         return py::make_tuple(groups, frames, FlightRecorder::nowNs());
       },
       "([{name, desc, ranks, capacity, failure, entries}], {frame id: (file, line, function)}, steady now ns)");
+  m.def(
+      "trace_progress",
+      [] {
+        static auto* meter = new ProgressMeter();  // one per process, never destroyed
+        ProgressReport r;
+        {
+          py::gil_scoped_release release;
+          r = meter->measure();
+        }
+        py::dict d;
+        d["ops"] = r.ops;
+        d["in_flight_s"] = double(r.inFlightNs) * 1e-9;
+        d["current"] = r.hasCurrent ? py::object(progressEntry(r.current, r.currentGroup, r.nowNs)) : py::object(py::none());
+        d["last"] = r.hasLast ? py::object(progressEntry(r.last, r.lastGroup, r.nowNs)) : py::object(py::none());
+        py::dict waited;
+        for (const auto& [rank, seconds] : r.waited) waited[py::int_(rank)] = seconds;
+        d["waited_s"] = waited;
+        return d;
+      },
+      "{ops, in_flight_s, current, last, waited_s}: this rank's communication so far (engine/progress_meter.h)");
   m.def(
       "set_trace_skip_prefixes",
       [](std::vector<std::string> prefixes) {

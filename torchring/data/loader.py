@@ -6,16 +6,24 @@ num_workers = the CPUs available to this process divided by the ranks on this ho
 most 8, at least 1); persistent_workers and prefetch_factor=2 when there are workers;
 pin_memory when CUDA is available; and a generator seeded from (seed, rank), so worker
 seeds (torch, random, numpy) differ between ranks and workers yet repeat run to run.
+
+The loader counts itself for the rank's status (torchring/trace/progress.py): each batch, its
+samples and how long the training loop waited for it, and where the epoch stands; a straggler
+report then tells a rank whose data loading is slow from one whose compute is.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import time
+from collections.abc import Iterator
+
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
 from .._core import context as _context, env as _env
+from ..trace import progress as _progress
 from .iterable import ShardedIterableDataset
 from .sampler import DistributedSampler
 
@@ -68,7 +76,28 @@ def DataLoader(dataset: Dataset, batch_size: int = 1, shuffle: bool = True, *,
     if generator is None:
         generator = torch.Generator()
         generator.manual_seed((seed * 1_000_003 + _rank()) % (2**63))
-    return torch.utils.data.DataLoader(
+    return CountingDataLoader(
         dataset, batch_size=batch_size, shuffle=False, sampler=sampler, drop_last=drop_last,
         num_workers=workers, pin_memory=pin_memory, persistent_workers=persistent_workers,
         prefetch_factor=prefetch_factor, generator=generator, **kwargs)
+
+
+class CountingDataLoader(torch.utils.data.DataLoader):
+    """torch's DataLoader that notes each batch it hands out, and the wait for it, in the rank's progress."""
+
+    def __iter__(self) -> Iterator[Any]:
+        batches = super().__iter__()
+        try:
+            length = len(self)
+        except TypeError:  # an IterableDataset without a length
+            length = 0
+        _progress.epoch_started(length)
+        default = self.batch_size or 1
+        while True:
+            start = time.perf_counter_ns()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            _progress.batch(time.perf_counter_ns() - start, _progress.batch_size_of(batch, default))
+            yield batch

@@ -28,6 +28,7 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 
+from ..trace import progress as _progress
 from . import basics, knobs
 from ._grad_sync import GradSync, Transport
 from .compression import Compression
@@ -148,6 +149,7 @@ class _DistributedOptimizer:
                     stacklevel=2)
             self.synchronize()
         self._synchronized = False
+        _progress.step()  # for the rank's status
         return super().step(closure)  # type: ignore[misc]
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -44,7 +44,7 @@ import torch.distributed.run as torchrun
 
 from .._core import build as _build
 from . import elastic as _elastic_launch, failures as _failures, ssh as _ssh_launch, output as _output, \
-    threads as _threads, trace_report as _trace_report
+    status as _status, threads as _threads, trace_report as _trace_report
 from .. import build
 from .._core.settings import DEFAULT_TIMEOUT_S, Settings
 
@@ -78,6 +78,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with the rank")
     p.add_argument("--check-build", "-cb", action="store_true", help="build the engine, say what it has, exit")
     p.add_argument("--monitor-interval", type=float, default=0.1, help="seconds between health checks of ranks")
+    p.add_argument("--status", type=int, nargs="?", const=0, default=None, metavar="PID",
+                   help="print the running jobs' status (or the job whose launcher is PID) and exit")
+    p.add_argument("--live", type=_at_least(0.5), default=None, metavar="SECONDS",
+                   help="print the ranks' status every SECONDS while the job runs (kill -USR1 this "
+                        "launcher prints it once)")
     h = p.add_argument_group("horovodrun's flags")
     h.add_argument("-H", "--hosts", default=None,
                    help="host:slots,... in rank order; other hosts start over ssh (docs/multihost_launch.md)")
@@ -341,10 +346,33 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.check_build:
         return build.main([])
+    if args.status is not None:
+        return _status.query(args.status or None)
     _resolve(parser, args)
     env = rank_env(args)
+    _status.enable(env, os.environ)
     os.environ.update(env)  # torch's agent starts the ranks with this process's environment
     trace_dir = _trace_report.choose_directory(os.environ)
+    world = args.num_proc or sum(n for _, n in (args.remote_hosts or []))
+    job = {"pid": os.getpid(), "trace_dir": trace_dir, "world": world,
+           "command": [args.script, *args.script_args]}
+    _status.register(trace_dir, world, job["command"])
+    _status.answer_sigusr1(job)
+    live = _status.LiveView(job, args.live).start() if args.live else None
+    try:
+        code = _launch(parser, args, env, trace_dir)
+    finally:
+        if live is not None:
+            live.stop()
+    if code == 0:
+        report = _status.end_report(trace_dir)
+        if report:
+            print(report, file=sys.stderr)
+    return code
+
+
+def _launch(parser: argparse.ArgumentParser, args: argparse.Namespace, env: dict[str, str], trace_dir: str) -> int:
+    """Runs the job `args` ask for (elastic, several hosts, or this host) and returns its exit code."""
     if _elastic(args):  # workers supervised here: a failed one does not stop the others
         plan = _resolve_elastic(parser, args)
         plan.env.update(env)
@@ -357,7 +385,11 @@ def main(argv: list[str] | None = None) -> int:
         return _elastic_launch.run(plan, _is_this_host)
     if args.remote_hosts:  # other hosts: one torch agent per host, over ssh
         _build.load()
-        return _ssh_launch.launch_args(args, _is_this_host, _command(args.script, list(args.script_args)))
+        code = _ssh_launch.launch_args(args, _is_this_host, _command(args.script, list(args.script_args)))
+        said = _trace_report.report(trace_dir) if code != 0 else ""  # every host's dumps are here now
+        if said:
+            print(said, file=sys.stderr)
+        return code
     threads = _threads.set_rank_threads(os.environ, args.num_proc)
     if threads:
         print(threads, file=sys.stderr)

@@ -2,7 +2,8 @@
 or over ssh): torch's elastic agent with the static rendezvous (node rank = the host's place in
 -H), lines prefixed [host:global rank]: (torchring/launch/output.py), stopped when its stdin (the
 launcher's pipe) closes, exit code the first failing rank's (failures.py, as torchring-run on
-one host), not the 1 of torchrun.
+one host), not the 1 of torchrun. On another host than the launcher's (--relay), it copies its
+ranks' status files and flight-recorder dumps onto its output for the launcher (relay.py).
 
 A safety net: once every local rank has exited and one failed, torch's agent has AGENT_GRACE_S to
 return; if it has not (stuck on a store whose host is unreachable, as torchrun's c10d rendezvous
@@ -23,7 +24,8 @@ import torch.distributed.run as torchrun
 from torch.distributed.elastic.agent.server import local_elastic_agent
 
 from .._core import build as _build
-from . import failures as _failures, lifeline as _lifeline, output as _output, threads as _threads
+from . import failures as _failures, lifeline as _lifeline, output as _output, relay as _relay, \
+    threads as _threads
 from .._core.settings import Settings
 
 __all__ = ["node_main", "AGENT_GRACE_S"]
@@ -45,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--monitor-interval", type=float, default=0.1)
     p.add_argument("--no-prefix", action="store_true")
     p.add_argument("--rank0-only", action="store_true")
+    p.add_argument("--relay", default=None, metavar="DIR",
+                   help="copy the ranks' status files and dumps in DIR onto stdout for the launcher")
     p.add_argument("command", nargs=argparse.REMAINDER)
     return p
 
@@ -125,8 +129,13 @@ def node_main(argv: Sequence[str] | None = None) -> int:
     contexts = _capture_rank_processes()
     threading.Thread(target=_watch_ranks, args=(contexts, args.host, AGENT_GRACE_S), daemon=True,
                      name="torchring-rank-watch").start()
-    return _failures.run_agent(torchrun.get_args_parser().parse_args(launch_args + command), output,
-                               failed=lambda what: f"torchring-run: {args.host}: {what}")
+    relay = _relay.Sender(args.relay, Settings.from_env(os.environ).status_s).start() if args.relay else None
+    try:
+        return _failures.run_agent(torchrun.get_args_parser().parse_args(launch_args + command), output,
+                                   failed=lambda what: f"torchring-run: {args.host}: {what}")
+    finally:
+        if relay is not None:  # the ranks are gone: their last statuses and any dumps
+            relay.finish()
 
 
 if __name__ == "__main__":

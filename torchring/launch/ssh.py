@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import IO, Callable, Mapping, Sequence
 
 from .._core import env as _env
-from . import output as _output
+from . import output as _output, relay as _relay
 from .._core.settings import Settings
 
 __all__ = ["FORWARD_NAMES", "FORWARD_PREFIXES", "NOT_FORWARDED", "plan_hosts", "forwarded_env",
@@ -110,7 +110,7 @@ def free_port(local: bool) -> int:
 
 def node_argv(*, host: str, node_rank: int, nnodes: int, nproc: int, master: str, port: int,
               job: str, monitor_interval: float, prefix: bool, rank0_only: bool,
-              command: Sequence[str]) -> list[str]:
+              command: Sequence[str], relay: str | None = None) -> list[str]:
     """The command line of node `node_rank` (this interpreter, this module) running `command`."""
     out = [sys.executable, "-u", "-m", "torchring.launch.node", f"--host={host}",
            f"--node-rank={node_rank}", f"--nnodes={nnodes}", f"--nproc={nproc}",
@@ -118,6 +118,7 @@ def node_argv(*, host: str, node_rank: int, nnodes: int, nproc: int, master: str
            f"--monitor-interval={monitor_interval}"]
     out += ["--no-prefix"] if not prefix else []
     out += ["--rank0-only"] if rank0_only else []
+    out += [f"--relay={relay}"] if relay else []
     return out + ["--", *command]
 
 
@@ -152,10 +153,11 @@ class _Node:
 _write_lock = threading.Lock()
 
 
-def _pump(source: IO[bytes], sink: IO[bytes]) -> None:
+def _pump(source: IO[bytes], sink: IO[bytes], relayed: _relay.Receiver | None = None) -> None:
     """Copies `source` to `sink` in whole lines (ended by \\n or \\r), so hosts never split a line;
     once `sink` is gone (a reader such as `| head` quit) it keeps draining `source`, dropping the
-    rest, so that no node and no rank blocks on a full pipe."""
+    rest, so that no node and no rank blocks on a full pipe. `relayed` takes out the files a
+    remote node sends (relay.py) and writes them."""
     pending, console = b"", _output.Console(sink)
 
     def write(data: bytes) -> None:
@@ -169,19 +171,22 @@ def _pump(source: IO[bytes], sink: IO[bytes]) -> None:
         pending += chunk
         cut = max(pending.rfind(b"\n"), pending.rfind(b"\r")) + 1
         if cut:
-            write(pending[:cut])
+            text = pending[:cut] if relayed is None else relayed.take(pending[:cut])
+            if text and not console.broken:
+                write(text)
             pending = pending[cut:]
     if pending:
         write(pending)
 
 
-def _start(host: str, argv: list[str]) -> _Node:
-    """Starts one node's command with its stdin a pipe (the node's lifeline) and its output pumped."""
+def _start(host: str, argv: list[str], relayed: _relay.Receiver | None = None) -> _Node:
+    """Starts one node's command with its stdin a pipe (the node's lifeline) and its output pumped
+    (`relayed`: the files it sends on its stdout are written)."""
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
     node = _Node(host, proc)
-    for source, sink in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
-        thread = threading.Thread(target=_pump, args=(source, sink), daemon=True)
+    for source, sink, files in ((proc.stdout, sys.stdout.buffer, relayed), (proc.stderr, sys.stderr.buffer, None)):
+        thread = threading.Thread(target=_pump, args=(source, sink, files), daemon=True)
         thread.start()
         node.threads.append(thread)
     return node
@@ -229,8 +234,10 @@ def _ssh_hint(host: str, code: int) -> str:
 
 def launch(hosts: Sequence[tuple[str, int]], is_this_host: Callable[[str], bool], command: Sequence[str],
            *, monitor_interval: float = 0.1, prefix: bool = True, rank0_only: bool = False,
-           ssh_port: int | None = None, ssh_identity: str | None = None, verbose: bool = False) -> int:
-    """Runs `command` (torchrun's script tail) on `hosts` [(host, ranks)]; the first failure's exit code."""
+           ssh_port: int | None = None, ssh_identity: str | None = None, verbose: bool = False,
+           trace_dir: str | None = None) -> int:
+    """Runs `command` (torchrun's script tail) on `hosts` [(host, ranks)]; the first failure's exit
+    code. `trace_dir`: where the other hosts' status files and dumps are relayed to."""
     local = [is_this_host(h) for h, _ in hosts]
     remote = next((h for (h, _), here in zip(hosts, local) if not here), None)
     master, port = master_address(hosts[0][0], local[0], remote), free_port(local[0])
@@ -241,14 +248,15 @@ def launch(hosts: Sequence[tuple[str, int]], is_this_host: Callable[[str], bool]
                 for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         for rank, ((host, nproc), here) in enumerate(zip(hosts, local)):
+            relay = None if here or not trace_dir else trace_dir
             argv = node_argv(host=host, node_rank=rank, nnodes=len(hosts), nproc=nproc, master=master,
                              port=port, job=job, monitor_interval=monitor_interval, prefix=prefix,
-                             rank0_only=rank0_only, command=command)
+                             rank0_only=rank0_only, command=command, relay=relay)
             if not here:
                 argv = client_argv(host, remote_command(argv, env, cwd), port=ssh_port, identity=ssh_identity)
             if verbose:
                 print(f"torchring-run: {host}: {shlex.join(argv)}", file=sys.stderr)
-            nodes.append(_start(host, argv))
+            nodes.append(_start(host, argv, _relay.Receiver(trace_dir) if relay else None))
         return _supervise(nodes, local, stop_signal)
     finally:
         _stop(nodes)  # leave nothing behind, whatever happened above (normally all have exited)
@@ -307,4 +315,5 @@ def launch_args(args: argparse.Namespace, is_this_host: Callable[[str], bool], c
     """launch() for torchring-run's parsed `args` (args.remote_hosts: its -H/--hostfile hosts)."""
     return launch(plan_hosts(args.remote_hosts, args.num_proc), is_this_host, command,
                   monitor_interval=args.monitor_interval, prefix=not args.no_prefix, rank0_only=args.rank0_only,
-                  ssh_port=args.ssh_port, ssh_identity=args.ssh_identity_file, verbose=args.verbose)
+                  ssh_port=args.ssh_port, ssh_identity=args.ssh_identity_file, verbose=args.verbose,
+                  trace_dir=os.environ.get("TORCHRING_TRACE_DIR"))

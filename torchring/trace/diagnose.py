@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import dump as _dump
+from . import dump as _dump, stragglers as _stragglers
 
 
 @dataclass
@@ -182,16 +182,14 @@ def diagnose(directory: str | os.PathLike[str]) -> tuple[list[str], list[Finding
 
 def straggler_lines(ranks: dict[int, Rank], top: int = 3, at_least_s: float = 0.01) -> list[str]:
     """Who made the others wait, from each dump's waits per peer (every group's, by world rank)."""
-    made: dict[int, float] = {}
+    records = []
     for rank in ranks.values():
+        waited: dict[int, float] = {}
         for g in rank.groups:
             members = list(g["ranks"])
             for i, seconds in enumerate(g.get("waited", [])):
-                if i < len(members) and members[i] != rank.rank:
-                    made[members[i]] = made.get(members[i], 0.0) + seconds
-    ranked = [(r, s) for r, s in sorted(made.items(), key=lambda kv: -kv[1]) if s >= at_least_s][:top]
-    if not ranked:
-        return []
-    hosts = {r: d.host for r, d in ranks.items()}
-    return ["  who made the others wait (seconds the other ranks waited for it since the start): " +
-            "; ".join(f"rank {r} (host {hosts.get(r, '?')}) {s:.2f} s" for r, s in ranked)]
+                if i < len(members):
+                    waited[members[i]] = waited.get(members[i], 0.0) + seconds
+        records.append({"rank": rank.rank, "host": rank.host, "waited_s": waited})
+    lines = _stragglers.report(records, top=top, at_least_s=at_least_s)
+    return [] if len(lines) < 2 else ["  " + line for line in lines]

@@ -54,14 +54,14 @@ _LIBRARIES = tuple(str(Path(p).resolve()) + os.sep for p in (
 
 def thread_stacks() -> dict[str, list[dict[str, Any]]]:
     """Every thread's Python stack, innermost frame first: {"MainThread (ident)": [frames]}; a
-    frame in torchring, torch or Python's own library says so ("library": True)."""
+    frame in torchring, torch or Python's own library (or a frozen module) says so ("library": True)."""
     libraries = _LIBRARIES + ((str(Path(sys.modules["torch"].__file__).parent) + os.sep,)
                               if "torch" in sys.modules else ())
     names = {t.ident: t.name for t in threading.enumerate()}
     stacks = {}
     for ident, frame in sys._current_frames().items():
         frames = [{"filename": f.filename, "line": f.lineno or 0, "name": f.name,
-                   "library": f.filename.startswith(libraries)}
+                   "library": f.filename.startswith(libraries) or f.filename.startswith("<")}
                   for f in reversed(traceback.extract_stack(frame))]
         stacks[f"{names.get(ident, 'thread')} ({ident})"] = frames
     return stacks

@@ -13,6 +13,10 @@ pipe. Two things write to that pipe:
   launcher finds every rank's record and no rank outlives its SIGTERM by more than that;
 - ``dump_trace()`` writes on the calling thread instead.
 
+Every TORCHRING_STATUS_S seconds (when above 0; torchring-run sets 1) the same thread writes the
+rank's status file next to the dumps (status.py), which ``torchring-run --status`` and its live
+view read; shutdown and exit write it a last time, marked exited.
+
 The thread takes the engine's snapshot and the Python stacks of every thread, and writes the
 dump (dump.py) to ``TORCHRING_TRACE_DIR`` (default: one directory per job under the temporary
 directory). A failure is dumped at most once per second (the file of the latest one stays); at
@@ -26,6 +30,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import select
 import signal
 import sys
 import threading
@@ -34,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import dump as _dump
+from . import dump as _dump, status as _status
 
 _log = logging.getLogger("torchring")
 _FAILURE = b"F"
@@ -57,15 +62,20 @@ class _Armed:
     failures_dumped: int = 0              # engine.trace_failures() when the last dump began
     last_failure_dump: float = 0.0
     pid: int = field(default_factory=os.getpid)  # the armed process (a fork's copy does nothing)
+    status_s: float = 0.0                 # seconds between status files (0: none)
+    rates: _status.Rates = field(default_factory=_status.Rates)
+    last_status: dict[str, Any] | None = None
+    stopped: bool = False                 # shutdown() wrote the last status; none until armed again
 
 
 _armed: _Armed | None = None
 
 
 def arm(engine: Any, rank: int, world: int, host: str, directory: str | os.PathLike[str],
-        timeout_s: float, frames: bool = True) -> None:
+        timeout_s: float, frames: bool = True, status_s: float = 0.0) -> None:
     """Starts dumping this rank's flight records to `directory` on failures and signals
-    (idempotent); `frames`: operations also record the Python line that issued them."""
+    (idempotent); `frames`: operations also record the Python line that issued them;
+    `status_s` > 0: the rank's status file is written there that often."""
     global _armed
     # Registered again on every call: at exit this runs before whatever registered since
     # (torchring.shutdown), while the communicators still live.
@@ -74,6 +84,7 @@ def arm(engine: Any, rank: int, world: int, host: str, directory: str | os.PathL
     if _armed is not None:
         _armed.rank, _armed.world, _armed.host = rank, world, host
         _armed.directory, _armed.timeout_s = Path(directory), timeout_s
+        _armed.status_s, _armed.stopped = status_s, False
         return
     package = str(Path(__file__).resolve().parents[1]) + os.sep
     torch_dir = str(Path(sys.modules["torch"].__file__).resolve().parent) + os.sep if "torch" in sys.modules else None
@@ -81,7 +92,7 @@ def arm(engine: Any, rank: int, world: int, host: str, directory: str | os.PathL
         engine.set_trace_skip_prefixes([p for p in (package, torch_dir) if p])
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
-    state = _Armed(engine, Path(directory), rank, world, host, timeout_s, read_fd, write_fd)
+    state = _Armed(engine, Path(directory), rank, world, host, timeout_s, read_fd, write_fd, status_s=status_s)
     engine.set_trace_notify_fd(write_fd)
     _take_signals(state)
     state.thread = threading.Thread(target=_serve, args=(state,), name="torchring-trace", daemon=True)
@@ -100,6 +111,10 @@ def _take_signals(state: _Armed) -> None:
 def _serve(state: _Armed) -> None:
     while True:
         try:
+            timeout = state.status_s if state.status_s > 0 and not state.stopped else None
+            if not select.select([state.read_fd], [], [], timeout)[0]:
+                write_status(state)
+                continue
             data = os.read(state.read_fd, 64)
         except OSError:
             return
@@ -145,6 +160,25 @@ def _write_locked(state: _Armed, reason: str) -> Path | None:
         return None
 
 
+def write_status(state: _Armed | None = None, ending: bool = False) -> None:
+    """Writes the rank's status file now (`ending`: its last, marked exited). Never raises."""
+    state = state or _armed
+    if state is None or state.status_s <= 0 or state.pid != os.getpid() or (state.stopped and not ending):
+        return
+    with state.lock:
+        try:
+            status = _status.measure(state.engine, state.rank, state.world, state.host, state.status_s,
+                                     state.rates, "exited" if ending else "running")
+            if ending and status["ops"] == 0 and state.last_status:  # the communicators are gone
+                status = dict(state.last_status, state="exited", time_ns=status["time_ns"], current=None)
+            state.last_status = status
+            _status.write(state.directory, status)
+        except Exception as e:  # the status must never take the job down
+            _log.debug("torchring: rank %d could not write its status to %s: %s", state.rank, state.directory, e)
+        if ending:
+            state.stopped = True
+
+
 def dump_now(reason: str = "request") -> Path | None:
     """Writes this rank's dump now, on the calling thread; its path (None when not armed or it failed)."""
     state = _armed
@@ -161,4 +195,6 @@ def _at_exit() -> None:
     with state.lock:
         if state.pending_failure or state.engine.trace_failures() > state.failures_dumped:
             _write_locked(state, "failure")
+    if not state.stopped:
+        write_status(state, ending=True)
 
