@@ -102,6 +102,13 @@ class Host:
         else:
             _ip("-n", self._switch, "link", "set", self._port, "up" if up else "down")
 
+    def shape(self, rate: str) -> None:
+        """Limit what this host sends to ``rate`` (tc on its ``eth0``): one link slower than the others."""
+        parse_rate(rate)
+        why = _shape(self.netns, "eth0", rate)
+        if why:
+            pytest.fail(f"could not shape {self.name}'s link to {rate}: {why}")
+
     def pids(self) -> list[int]:
         """Machine-side pids of this host's processes, the anchor (its PID 1) excluded."""
         out = []

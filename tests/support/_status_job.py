@@ -14,27 +14,11 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import time
 
 import torch
-from torch import nn
 
 import torchring
-import torchring.data
-
-
-class SlowSamples(torch.utils.data.Dataset):
-    """Integer samples, each taking `seconds` to load."""
-
-    def __init__(self, n: int, seconds: float) -> None:
-        self.n, self.seconds = n, seconds
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        time.sleep(self.seconds)
-        return torch.full((16,), float(i % 7)), torch.tensor(float(i % 3))
+from _straggler_job import train_from_a_loader
 
 
 def main(mode: str, out_dir: str) -> None:
@@ -53,15 +37,7 @@ def main(mode: str, out_dir: str) -> None:
             torchring.allreduce(t)  # line: allreduce
             torchring.broadcast(t, 0)
     else:
-        torch.manual_seed(0)
-        model = torchring.wrap(nn.Linear(16, 1))
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        data = SlowSamples(3 * 8 * 30, 0.015 if rank == 2 else 0.005)
-        loader = torchring.data.DataLoader(data, batch_size=8, num_workers=0)
-        for x, y in loader:
-            opt.zero_grad()
-            nn.functional.mse_loss(model(x).squeeze(1), y).backward()
-            opt.step()
+        train_from_a_loader(rank)
     torchring.shutdown()
 
 

@@ -7,6 +7,9 @@ writes stats() and, rank 0, stragglers() to OUT_DIR/result<rank>.json.
 MODE backward: a wrapped MLP trains 20 rounds of 10 steps; in one step of each round rank 1's
 backward takes 200 ms longer (a hook sleeps). After each round every rank's waits since the
 last round are gathered, and rank 0 writes the rank the others waited for most, per round.
+MODE link: 40 allreduces of 256 KiB (the test slows one host's link); rank 0 writes stragglers().
+MODE loader: a wrapped model trains an epoch from torchring.data's loader, rank 2's dataset three
+times slower per sample; rank 0 writes stragglers().
 """
 
 from __future__ import annotations
@@ -22,12 +25,48 @@ from torch import nn
 import torchring
 
 
+class SlowSamples(torch.utils.data.Dataset):
+    """Integer samples, each taking `seconds` to load."""
+
+    def __init__(self, n: int, seconds: float) -> None:
+        self.n, self.seconds = n, seconds
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        time.sleep(self.seconds)
+        return torch.full((16,), float(i % 7)), torch.tensor(float(i % 3))
+
+
+def train_from_a_loader(rank: int) -> None:
+    """An epoch of a wrapped model from torchring.data's loader; rank 2 loads 3x slower."""
+    import torchring.data
+    torch.manual_seed(0)
+    model = torchring.wrap(nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = torchring.data.DataLoader(SlowSamples(3 * 8 * 30, 0.015 if rank == 2 else 0.005),
+                                       batch_size=8, num_workers=0)
+    for x, y in loader:
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x).squeeze(1), y).backward()
+        opt.step()
+
+
 def main(mode: str, out_dir: str) -> None:
     """Runs MODE (see the module's docstring)."""
     torchring.init()
     rank = torchring.rank()
     result: dict = {}
-    if mode == "sleep":
+    if mode == "link":
+        t = torch.ones(65536)
+        for _ in range(40):
+            torchring.allreduce(t)
+        result = {"report": torchring.stragglers()}
+    elif mode == "loader":
+        train_from_a_loader(rank)
+        result = {"report": torchring.stragglers()}
+    elif mode == "sleep":
         t = torch.ones(1024)
         for _ in range(30):
             if rank == 2:

@@ -145,7 +145,7 @@ def answer_sigusr1(job: dict[str, Any], out: TextIO = sys.stderr) -> None:
 
 def notable(statuses: dict[int, dict[str, Any]]) -> bool:
     """True when a rank made the others wait at least 1 s and 5% of the run in all."""
-    made = _stragglers.made_wait(_status.records(statuses))
+    made = _stragglers.blame(_status.records(statuses))
     worst = max((sum(by.values()) for by in made.values()), default=0.0)
     wall = max((s.get("wall_s", 0.0) for s in statuses.values()), default=0.0)
     return worst >= max(1.0, 0.05 * wall)
@@ -158,6 +158,6 @@ def end_report(trace_dir: str, force: bool = False) -> str:
     if not statuses or not (force or notable(statuses)):
         return ""
     records = _status.records(statuses)
-    worst = max((sum(by.values()) for by in _stragglers.made_wait(records).values()), default=0.0)
+    worst = max((sum(by.values()) for by in _stragglers.blame(records).values()), default=0.0)
     lines = _stragglers.report(records, top=3, at_least_s=0.1 * worst)  # the ranks that matter
     return "\n".join(f"torchring-run: {line}" for line in lines)

@@ -5,8 +5,14 @@ engine timed this rank waiting for each peer) and, where the rank's status knows
 ``"phases": {"data": s, "compute": s, "communication": s}``. ``torchring.stragglers()`` (a
 collective), the launcher's end-of-job report and the dumps' diagnosis all build their lines here.
 
-The rank that made the others wait most comes first: ``made[r]`` sums, over every other rank,
-the seconds it waited for r. Its phase is read by comparing its own time in each phase with the
+The rank that made the others wait most comes first. The engine charges a wait to the peer
+waited for, which across hosts is the next rank in the schedule, not always the late one: with
+rank 2 late, rank 1 waits for rank 2 and rank 0, which then exchanges with rank 1, waits for
+rank 1. ``blame`` therefore passes waits on: a rank that made others wait while it was waiting
+itself did not cause that part, so up to its own waiting is moved from it to the ranks it waited
+for, in proportion to how long it waited for each, keeping who waited (a wait passed back to
+the rank that waited is dropped). Each rank passes on at most what it waited, so the passing
+ends; it is read from totals over the whole run, not matched in time, so it is an estimate. Its phase is read by comparing its own time in each phase with the
 median of the other ranks': the phase where it spent the most more than they did, data loading
 or compute (forward, backward, optimizer: the time that is neither), is where it was late, when
 that excess explains at least half of the longest wait it caused (``lateness``); otherwise no
@@ -19,7 +25,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-__all__ = ["made_wait", "report", "phase_of"]
+__all__ = ["made_wait", "blame", "report", "phase_of"]
 
 _PHASES = {"data": "data loading", "compute": "compute (forward/backward/optimizer)"}
 
@@ -33,6 +39,36 @@ def made_wait(records: list[dict[str, Any]]) -> dict[int, dict[int, float]]:
             if peer != rec["rank"] and seconds > 0:
                 made.setdefault(peer, {})[rec["rank"]] = made.setdefault(peer, {}).get(rec["rank"], 0.0) + seconds
     return made
+
+
+def blame(records: list[dict[str, Any]]) -> dict[int, dict[int, float]]:
+    """{peer: {waiter: seconds}} as made_wait, with the waits each rank passed on moved to the
+    ranks it waited for (see the module's docstring)."""
+    blamed = made_wait(records)
+    waited = {rec["rank"]: {int(p): s for p, s in rec.get("waited_s", {}).items() if int(p) != rec["rank"] and s > 0}
+              for rec in records}
+    left = {r: sum(w.values()) for r, w in waited.items()}  # what each rank may still pass on
+    for _ in range(len(records)):
+        moved = False
+        for middle in sorted(blamed):
+            incoming = sum(blamed[middle].values())
+            own = left.get(middle, 0.0)
+            if incoming <= 0 or own <= 1e-9:
+                continue
+            passed = min(incoming, own)
+            left[middle] = own - passed
+            scale = passed / incoming
+            for waiter in list(blamed[middle]):
+                share = blamed[middle][waiter] * scale
+                blamed[middle][waiter] -= share
+                for peer, seconds in waited[middle].items():
+                    if peer != waiter:
+                        into = blamed.setdefault(peer, {})
+                        into[waiter] = into.get(waiter, 0.0) + share * seconds / own
+            moved = True
+        if not moved:
+            break
+    return {peer: {w: s for w, s in by.items() if s > 1e-9} for peer, by in blamed.items()}
 
 
 def phase_of(culprit: dict[str, Any], others: list[dict[str, Any]], lateness: float) -> str | None:
@@ -56,10 +92,10 @@ def phase_of(culprit: dict[str, Any], others: list[dict[str, Any]], lateness: fl
 def report(records: list[dict[str, Any]], top: int = 5, at_least_s: float = 0.0) -> list[str]:
     """The report's lines, the rank that made the others wait most first (ranks below
     `at_least_s` in total are left out); ["no rank made another wait"] when none did."""
-    made = made_wait(records)
+    made = blame(records)
     by_rank = {rec["rank"]: rec for rec in records}
     ranked = [(peer, by) for peer, by in sorted(made.items(), key=lambda kv: -sum(kv[1].values()))
-              if sum(by.values()) >= at_least_s][:top]
+              if sum(by.values()) > 0 and sum(by.values()) >= at_least_s][:top]
     if not ranked:
         return ["no rank made another wait"]
     lines = ["who made the others wait (seconds other ranks waited for each, since the start):"]

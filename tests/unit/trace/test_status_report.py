@@ -48,8 +48,26 @@ def test_a_rank_slow_at_loading_data_is_first_and_its_phase_is_data_loading() ->
         {"rank": 2, "host": "b", "waited_s": {0: 0.2}, "phases": {"data": 8.2, "compute": 7.9}},
     ]
     lines = stragglers.report(records)
-    assert lines[1].startswith("  rank 2 (host b): 11.500 s (rank 0 6.000 s, rank 1 5.500 s)"), lines
+    assert lines[1].startswith("  rank 2 (host b): 11.49"), lines  # 0.1 s rank 1 passed on, 0.2 s rank 2 did
     assert "late in data loading: 8.20 s, the others' median 2.05 s" in lines[1], lines
+
+
+def test_a_wait_passed_along_a_chain_of_ranks_is_blamed_on_the_late_one() -> None:
+    # across hosts: rank 1 waited for rank 2 (late), and rank 0, exchanging with rank 1, for rank 1
+    records = [
+        {"rank": 0, "host": "a", "waited_s": {1: 2.5}, "phases": {"data": 1.3, "compute": 2.1}},
+        {"rank": 1, "host": "b", "waited_s": {2: 2.4, 0: 0.02}, "phases": {"data": 1.3, "compute": 2.1}},
+        {"rank": 2, "host": "c", "waited_s": {}, "phases": {"data": 3.7, "compute": 2.1}},
+        {"rank": 3, "host": "d", "waited_s": {}, "phases": {"data": 1.3, "compute": 2.1}},
+    ]
+    blamed = stragglers.blame(records)
+    assert abs(sum(blamed[2].values()) - 4.8) < 1e-9 and abs(sum(blamed[1].values()) - 0.08) < 1e-9, blamed
+    assert abs(blamed[2][0] - 2.4) < 1e-9 and abs(blamed[2][1] - 2.4) < 1e-9, blamed
+    lines = stragglers.report(records)
+    assert lines[1].startswith("  rank 2 (host c): 4.") and "late in data loading" in lines[1], lines
+    # two ranks waiting on each other pass on no more than each waited: the passing ends
+    both = [{"rank": 0, "host": "a", "waited_s": {1: 1.0}}, {"rank": 1, "host": "a", "waited_s": {0: 1.0}}]
+    assert sum(sum(by.values()) for by in stragglers.blame(both).values()) <= 2.0
 
 
 def test_a_rank_slow_in_compute_is_named_in_compute() -> None:
