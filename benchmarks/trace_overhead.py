@@ -11,6 +11,10 @@ hits them alike). Each job times, on every rank:
                     20000 calls, µs per call (max over ranks)
   wrap step         a torchring.wrap'ped 4-layer MLP (width 512, batch 32 per rank, SGD): the
                     median of 30 steps after 5 warm-up steps, ms (max over ranks)
+  allreduce 4 KiB, interleaved
+                    the same allreduce on two more communicators over the same ranks, one
+                    recording and one not, in 301 alternating trials of 400 calls: the median
+                    of the trials' on/off ratios (a slow spell of the machine hits both alike)
 With --before DIR (a checkout of a commit before the recorder and the wait timing, its engine
 built with TORCHRING_CACHE_DIR=DIR/.cache) a fourth job runs that checkout: what everything the
 recorder added costs, the always-on wait timing of the stragglers report included.
@@ -64,11 +68,50 @@ def inner() -> None:
         opt.step()
         if i >= 5:
             steps.append((time.perf_counter() - start) * 1e3)
-    mine = torch.tensor([statistics.median(trials), statistics.median(steps)], dtype=torch.float64)
+    paired = _interleaved(t)
+    mine = torch.tensor([statistics.median(trials), statistics.median(steps), *paired], dtype=torch.float64)
     torchring.allreduce(mine, op=torchring.ReduceOp.MAX)
     if torchring.rank() == 0:
-        print("RESULT " + json.dumps({"allreduce_us": mine[0].item(), "step_ms": mine[1].item()}))
+        print("RESULT " + json.dumps({"allreduce_us": mine[0].item(), "step_ms": mine[1].item(),
+                                      "paired_off_us": mine[2].item(), "paired_on_us": mine[3].item(),
+                                      "paired_ratio": mine[4].item()}))
     torchring.shutdown()
+
+
+def _interleaved(t: "torch.Tensor", pairs: int = 301, calls: int = 400) -> list[float]:
+    """[off µs, on µs, median of the pairs' on/off ratios]: the 4 KiB allreduce on two more
+    communicators over the same ranks, one recording (TORCHRING_TRACE's default) and one not,
+    timed in alternating trials of `calls` calls, so that the machine's slow and fast spells
+    (they last seconds) fall on both alike."""
+    import dataclasses
+
+    import torchring
+    from torchring._core import build as _build, context as _context, rendezvous as _rendezvous
+
+    engine, settings = _build.load(), _context.settings()
+    store, prefix, host = _context.wiring()
+    comms = {}
+    for name, trace in (("off", 0), ("on", settings.trace or 512)):
+        comms[name] = _rendezvous.connect(engine, store, f"{prefix}bench-{name}/", torchring.rank(), torchring.size(),
+                                          dataclasses.replace(settings, trace=trace), host,
+                                          _context.launch_info().master_addr).comm
+    calls_of = {name: engine.allreduce_now_function(c) for name, c in comms.items()}
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    try:
+        for i in range(pairs):
+            for name in (("off", "on") if i % 2 == 0 else ("on", "off")):
+                run = calls_of[name]
+                for _ in range(200):
+                    run(t, 0)
+                start = time.perf_counter()
+                for _ in range(calls):
+                    run(t, 0)
+                times[name].append((time.perf_counter() - start) / calls * 1e6)
+    finally:
+        for c in comms.values():
+            c.shutdown()
+    ratios = [on / off for on, off in zip(times["on"], times["off"])]
+    return [statistics.median(times["off"]), statistics.median(times["on"]), statistics.median(ratios)]
 
 
 CONFIGS = {"off": {"TORCHRING_TRACE": "0"}, "no lines": {"TORCHRING_TRACE_FRAMES": "0"}, "on": {}}
@@ -110,7 +153,9 @@ def main() -> None:
         got = {config: job(args.world, config, args.before) for config in order}
         rounds.append(got)
         print(f"round {r}: " + ", ".join(f"{c} {got[c]['allreduce_us']:.3f} us / {got[c]['step_ms']:.3f} ms"
-                                         for c in configs), flush=True)
+                                         for c in configs) +
+              "; interleaved " + ", ".join(f"{c} {got[c]['paired_ratio']:.3f}" for c in configs if "paired_ratio" in got[c]),
+              flush=True)
     print("| measure | " + " | ".join(configs) + " | " +
           " | ".join(f"{c} / {base} [min..max]" for c in configs[1:]) + " |")
     print("|---" * (2 * len(configs)) + "|")
@@ -120,6 +165,11 @@ def main() -> None:
             ratios = [x[c][key] / x[base][key] for x in rounds]
             cells.append(f"{statistics.median(ratios):.3f} [{min(ratios):.3f}..{max(ratios):.3f}]")
         print(f"| {name} | " + " | ".join(cells) + " |")
+    paired = [x[c]["paired_ratio"] for x in rounds for c in configs if "paired_ratio" in x[c]]
+    print(f"| allreduce 4 KiB, interleaved in each job (recording / not, {len(paired)} jobs) | "
+          f"{statistics.median(x[c]['paired_off_us'] for x in rounds for c in configs if 'paired_off_us' in x[c]):.3f} us | "
+          f"{statistics.median(x[c]['paired_on_us'] for x in rounds for c in configs if 'paired_on_us' in x[c]):.3f} us | "
+          f"{statistics.median(paired):.3f} [{min(paired):.3f}..{max(paired):.3f}] |")
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": info, "world": args.world, "rounds": rounds}, indent=1))
 

@@ -31,8 +31,12 @@ Registry& registry() {
 
 std::atomic<int> gNotifyFd{-1};
 std::atomic<uint32_t (*)()> gProvider{nullptr};
-thread_local bool tCallerSet = false;
-thread_local uint32_t tCallerFrame = 0;
+// The calling thread's frame for its next operation: kSet | id, or 0 when none was set. The
+// initial-exec model makes each access one load relative to the thread pointer, not a call
+// into the dynamic linker (this library is loaded at run time, but its 8 bytes fit the static
+// TLS space glibc keeps for that).
+constexpr uint64_t kSet = uint64_t{1} << 32;
+thread_local uint64_t tCaller __attribute__((tls_model("initial-exec"))) = 0;
 
 }  // namespace
 
@@ -234,17 +238,14 @@ TraceFrame FlightRecorder::frame(uint32_t id) {
   return id < r.frames.size() ? r.frames[id] : TraceFrame{};
 }
 
-void FlightRecorder::setCallerFrame(uint32_t id) {
-  tCallerFrame = id;
-  tCallerSet = true;
-}
+void FlightRecorder::setCallerFrame(uint32_t id) { tCaller = kSet | id; }
 
-void FlightRecorder::clearCallerFrame() { tCallerSet = false; }
+void FlightRecorder::clearCallerFrame() { tCaller = 0; }
 
 uint32_t FlightRecorder::callerFrame() {
-  if (tCallerSet) {
-    tCallerSet = false;
-    return tCallerFrame;
+  if (const uint64_t caller = tCaller) {
+    tCaller = 0;
+    return static_cast<uint32_t>(caller);
   }
   auto* provider = gProvider.load(std::memory_order_relaxed);
   return provider != nullptr ? provider() : 0;
