@@ -403,7 +403,8 @@ def _launch(parser: argparse.ArgumentParser, args: argparse.Namespace, env: dict
         launch, _output.rank_output(args),
         failed=lambda what: "\n".join(filter(None, [
             f"torchring-run: the job failed: {what}; its output is above{where}", _trace_report.report(trace_dir)])),
-        stopped=lambda sig: f"torchring-run: stopped by signal {sig}; every rank was stopped")
+        stopped=lambda sig: "\n".join(filter(None, [
+            f"torchring-run: stopped by signal {sig}; every rank was stopped", _trace_report.report(trace_dir)])))
 
 
 if __name__ == "__main__":

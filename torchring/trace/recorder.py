@@ -124,6 +124,7 @@ def _serve(state: _Armed) -> None:
         request = bytes([signal.SIGUSR1]) in data
         if bytes([signal.SIGTERM]) in data:  # dump; the engine's watchdog then ends the process
             _write(state, "SIGTERM")
+            write_status(state, ending=True, how="stopped by SIGTERM")
             state.engine.trace_signal_dumped()
             return
         if failure:
@@ -160,17 +161,17 @@ def _write_locked(state: _Armed, reason: str) -> Path | None:
         return None
 
 
-def write_status(state: _Armed | None = None, ending: bool = False) -> None:
-    """Writes the rank's status file now (`ending`: its last, marked exited). Never raises."""
+def write_status(state: _Armed | None = None, ending: bool = False, how: str = "exited") -> None:
+    """Writes the rank's status file now (`ending`: its last, marked `how`). Never raises."""
     state = state or _armed
     if state is None or state.status_s <= 0 or state.pid != os.getpid() or (state.stopped and not ending):
         return
     with state.lock:
         try:
             status = _status.measure(state.engine, state.rank, state.world, state.host, state.status_s,
-                                     state.rates, "exited" if ending else "running")
+                                     state.rates, how if ending else "running")
             if ending and status["ops"] == 0 and state.last_status:  # the communicators are gone
-                status = dict(state.last_status, state="exited", time_ns=status["time_ns"], current=None)
+                status = dict(state.last_status, state=how, time_ns=status["time_ns"], current=None)
             state.last_status = status
             _status.write(state.directory, status)
         except Exception as e:  # the status must never take the job down

@@ -88,7 +88,7 @@ def measure(engine: Any, rank: int, world: int, host: str, interval_s: float, ra
         "comm_share": min(1.0, max(0.0, (comm_s - rates.comm_s) / elapsed)) if elapsed > 0 else None,
         "current": _op(meter["current"], "age_s"), "last": _op(meter["last"], "ago_s"),
         "waited_s": {str(peer): s for peer, s in meter["waited_s"].items()},
-        "where": _where() if state == "running" else None,
+        "where": _where() if state != "exited" else None,
         "phases": {"data": counts["data_s"], "communication": comm_s,
                    "compute": max(0.0, wall_s - counts["data_s"] - comm_s)},
     }
@@ -137,8 +137,8 @@ def _alive(pid: int) -> bool:
 
 def _condition(s: dict[str, Any], now_ns: int, this_host: str) -> str | None:
     """"dead", "unresponsive ..." or "exited"; None while the rank answers."""
-    if s.get("state") == "exited":
-        return "exited"
+    if s.get("state", "running") != "running":
+        return s["state"]  # "exited", "stopped by SIGTERM"
     if s.get("host") == this_host and not _alive(int(s["pid"])):
         return f"DEAD (process {s['pid']} is gone)"
     age = (now_ns - s["time_ns"]) * 1e-9
@@ -153,7 +153,8 @@ def rank_line(s: dict[str, Any], now_ns: int, this_host: str) -> str:
     condition = _condition(s, now_ns, this_host)
     if condition:
         parts.append(condition)
-    parts.append(f"step {s['steps']}")
+    if s.get("steps"):  # counted by wrap, torchring.horovod, torchring.data or trace.step()
+        parts.append(f"step {s['steps']}")
     if s.get("samples_per_s") is not None and s.get("samples"):
         parts.append(f"{s['samples_per_s']:.1f} samples/s")
     if s.get("comm_share") is not None:
@@ -164,7 +165,7 @@ def rank_line(s: dict[str, Any], now_ns: int, this_host: str) -> str:
         parts.append(f"in {current['what']} on {current['group']} for {current['age_s']:.1f} s"
                      + (f" from {current['line']}" if current.get("line") else ""))
     elif last:
-        ago = f" {last['ago_s']:.1f} s ago" if condition != "exited" else ""
+        ago = f" {last['ago_s']:.1f} s ago" if s.get("state", "running") == "running" else ""
         parts.append(f"last {last['what']} on {last['group']}{ago}")
     if not current and s.get("where") and condition is None:
         parts.append(f"now at {s['where']}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -80,6 +81,7 @@ def test_status_names_what_each_rank_waits_in_and_a_rank_that_stops_answering(tm
         os.killpg(job.pid, signal.SIGTERM)
         output, _ = job.communicate(timeout=60)
     assert "torchring status at" in output and "3 of 3 ranks report" in output, output
+    assert f"rank 1 (host {socket.gethostname()}) never reached it" in output, output  # the stop's diagnosis
     assert status(tmp_path)[0].startswith("torchring-run --status: no torchring-run job is running"), output
 
 
