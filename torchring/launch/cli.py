@@ -44,7 +44,7 @@ import torch.distributed.run as torchrun
 
 from .._core import build as _build
 from . import elastic as _elastic_launch, failures as _failures, ssh as _ssh_launch, output as _output, \
-    status as _status, threads as _threads, trace_report as _trace_report
+    remote_env as _remote_env, status as _status, threads as _threads, trace_report as _trace_report
 from .. import build
 from .._core.settings import DEFAULT_TIMEOUT_S, Settings
 
@@ -89,6 +89,13 @@ def _parser() -> argparse.ArgumentParser:
     h.add_argument("-hostfile", "--hostfile", default=None, help="file of 'host slots=N' lines (as -H)")
     h.add_argument("-p", "--ssh-port", type=int, default=None, help="the other hosts' sshd port (ssh -p)")
     h.add_argument("-i", "--ssh-identity-file", default=None, help="the private key ssh logs in with (ssh -i)")
+    h.add_argument("-x", "--env", action="append", default=None, metavar="NAME[=VALUE]",
+                   help="NAME: give the other hosts' ranks NAME although a deny pattern matches it; "
+                        "NAME=VALUE: set it for every rank (repeatable; every other variable of this "
+                        "environment reaches every host already, less a deny-list: README)")
+    h.add_argument("--env-deny", action="append", default=None, metavar="PATTERN",
+                   help="do not give the other hosts' ranks variables matching PATTERN (shell-style, "
+                        "repeatable), e.g. --env-deny 'AWS_*'")
     h.add_argument("--start-timeout", type=_at_least(1e-3), default=None,
                    help="seconds ranks wait for each other at start (sets TORCHRING_TIMEOUT, which "
                         f"also bounds any collective that makes no progress; default {DEFAULT_TIMEOUT_S:g})")
@@ -325,7 +332,9 @@ def _resolve_elastic(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     return _elastic_launch.ElasticPlan(argv, min_np, max_np, initial, replacements=args.max_restarts,
                                        discovery=args.host_discovery_script, fixed_slots=fixed,
                                        interval=args.discovery_interval, elastic_timeout=args.elastic_timeout,
-                                       ssh_port=args.ssh_port, ssh_identity=args.ssh_identity_file)
+                                       ssh_port=args.ssh_port, ssh_identity=args.ssh_identity_file,
+                                       env_deny=tuple(args.env_deny or ()),
+                                       env_keep=frozenset(_remote_env.parse_settings(args.env or ())[0]))
 
 
 def _be_verbose(env: dict[str, str], command: list[str]) -> None:
@@ -350,6 +359,10 @@ def main(argv: list[str] | None = None) -> int:
         return _status.query(args.status or None)
     _resolve(parser, args)
     env = rank_env(args)
+    try:
+        env.update(_remote_env.parse_settings(args.env or ())[1])  # -x NAME=VALUE: every rank's
+    except ValueError as e:
+        parser.error(str(e))
     _status.enable(env, os.environ)
     os.environ.update(env)  # torch's agent starts the ranks with this process's environment
     trace_dir = _trace_report.choose_directory(os.environ)

@@ -53,7 +53,7 @@ from datetime import timedelta
 from typing import Any, Callable
 
 from .._core import context as _context
-from . import ssh as _ssh
+from . import remote_env as _remote_env, ssh as _ssh
 from .output import prefix_chunk
 
 __all__ = ["ElasticPlan", "parse_slots", "placement", "run"]
@@ -75,6 +75,8 @@ class ElasticPlan:
     env: dict[str, str] = field(default_factory=dict)
     ssh_port: int | None = None              # --ssh-port, for other hosts' workers
     ssh_identity: str | None = None          # --ssh-identity-file
+    env_deny: tuple[str, ...] = ()           # --env-deny: not given to other hosts' workers
+    env_keep: frozenset[str] = frozenset()   # -x NAME: given to them even where denied
 
 
 def parse_slots(text: str) -> dict[str, int]:
@@ -173,12 +175,17 @@ class _Driver:
             proc = subprocess.Popen(self.plan.command, env={**os.environ, **self.plan.env, **worker_env},
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         else:
-            env = {**_ssh.forwarded_env({**os.environ, **self.plan.env}), **worker_env}
-            remote = _ssh.remote_command([sys.executable, "-u", "-m", "torchring.launch.worker", "--",
-                                         *self.plan.command], env, os.getcwd())
+            env = {**_remote_env.remote_env({**os.environ, **self.plan.env}, self.plan.env_deny, self.plan.env_keep),
+                   **worker_env}
+            remote = _ssh.remote_command([sys.executable, "-u", "-m", "torchring.launch.worker", "--env-stdin", "--",
+                                         *self.plan.command], _remote_env.bootstrap_env(env), os.getcwd())
             argv = _ssh.client_argv(host, remote, port=self.plan.ssh_port, identity=self.plan.ssh_identity)
             proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     start_new_session=True)
+            try:
+                _remote_env.send(proc.stdin, env)  # type: ignore[arg-type]
+            except OSError:
+                pass  # ssh is already gone: its exit code says why
         reader = threading.Thread(target=self._copy, args=(proc, f"[w{index}]: ".encode()), daemon=True)
         reader.start()
         self.workers.append(_Worker(index, host, proc, reader))

@@ -25,7 +25,7 @@ from torch.distributed.elastic.agent.server import local_elastic_agent
 
 from .._core import build as _build
 from . import failures as _failures, lifeline as _lifeline, output as _output, relay as _relay, \
-    threads as _threads
+    remote_env as _remote_env, threads as _threads
 from .._core.settings import Settings
 
 __all__ = ["node_main", "AGENT_GRACE_S"]
@@ -47,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--monitor-interval", type=float, default=0.1)
     p.add_argument("--no-prefix", action="store_true")
     p.add_argument("--rank0-only", action="store_true")
+    p.add_argument("--env-stdin", action="store_true",
+                   help="first read the launcher's environment from stdin (remote_env.py)")
     p.add_argument("--relay", default=None, metavar="DIR",
                    help="copy the ranks' status files and dumps in DIR onto stdout for the launcher")
     p.add_argument("command", nargs=argparse.REMAINDER)
@@ -115,6 +117,8 @@ def _start_timeout(env: Mapping[str, str]) -> int:
 def node_main(argv: Sequence[str] | None = None) -> int:
     """One host's part: torch's agent with the static rendezvous; the first failing rank's exit code."""
     args = _parser().parse_args(argv)
+    if args.env_stdin:  # before the lifeline takes stdin over
+        _remote_env.take()
     _lifeline.watch(lambda: os.kill(os.getpid(), signal.SIGTERM))  # torch's agent then stops the ranks
     command = list(args.command[1:] if args.command[:1] == ["--"] else args.command)
     launch_args = [f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}", f"--nproc-per-node={args.nproc}",

@@ -9,9 +9,11 @@ Each node runs torch's elastic agent (torch.distributed.run) with the static ren
 has --node-rank=i and the store lives on the first host, so host i's ranks come before host
 i+1's in the -H/hostfile order (torch's c10d rendezvous would order hosts by its own sort).
 
-The variables that matter are forwarded on the remote command line (sshd passes only LANG/LC_*
-through SendEnv): see FORWARD_NAMES and FORWARD_PREFIXES. The remote side runs this launcher's
-interpreter (sys.executable) in this launcher's working directory.
+Every host's ranks get this launcher's environment, as horovodrun gives it, less a deny-list
+(remote_env.py; -x NAME / -x NAME=VALUE and --env-deny PATTERN adjust it): the remote command
+line carries only what starting Python needs, the rest goes through the node's standard input,
+so no value shows in `ps` on either host. The remote side runs this launcher's interpreter
+(sys.executable) in this launcher's working directory.
 
 Cleanup: a node watches its stdin, the launcher's pipe (through ssh for a remote node). When it
 closes (the launcher stopped the job, exited, or was killed, or the ssh connection dropped), the
@@ -42,18 +44,11 @@ from dataclasses import dataclass, field
 from typing import IO, Callable, Mapping, Sequence
 
 from .._core import env as _env
-from . import output as _output, relay as _relay
+from . import output as _output, relay as _relay, remote_env as _remote_env
 from .._core.settings import Settings
 
-__all__ = ["FORWARD_NAMES", "FORWARD_PREFIXES", "NOT_FORWARDED", "plan_hosts", "forwarded_env",
-           "master_address", "node_argv", "remote_command", "ssh_argv", "client_argv", "launch", "launch_args"]
+__all__ = ["plan_hosts", "master_address", "node_argv", "remote_command", "ssh_argv", "client_argv", "launch", "launch_args"]
 
-FORWARD_NAMES = ("PATH", "PYTHONPATH", "VIRTUAL_ENV", "CONDA_PREFIX", "LD_LIBRARY_PATH",
-                 "LD_PRELOAD", "CUDA_VISIBLE_DEVICES", "CUDA_HOME", "TMPDIR", "LANG", "LC_ALL")
-FORWARD_PREFIXES = ("TORCHRING_", "HOROVOD_", "PYTHON", "TORCH_", "NCCL_", "GLOO_", "OMP_",
-                    "MKL_", "KMP_", "OPENBLAS_")  # no secrets (HF_TOKEN, AWS_*): ps shows ssh's argv
-NOT_FORWARDED = frozenset({"TORCHRING_ADDR", "TORCHRING_BIND_ADDR", "TORCHRING_HOSTNAME",
-                           "TORCHRING_SSH"})  # one host's own, or the launcher's
 STOP_GRACE_S = 30.0  # after a node's stdin closes: then SIGTERM, and SIGKILL 10 s later
 ALIVE_INTERVAL_S = 5  # the default ssh client probes a silent host this often (ServerAliveInterval)
 
@@ -69,12 +64,6 @@ def plan_hosts(hosts: Sequence[tuple[str, int]], num_proc: int) -> list[tuple[st
     if left > 0:
         raise ValueError(f"-np {num_proc} is more than the {num_proc - left} slots of -H/--hostfile")
     return out
-
-
-def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """The variables of `environ` a remote node gets (FORWARD_NAMES, FORWARD_PREFIXES, less NOT_FORWARDED)."""
-    return {name: value for name, value in sorted(environ.items())
-            if (name in FORWARD_NAMES or name.startswith(FORWARD_PREFIXES)) and name not in NOT_FORWARDED}
 
 
 def _address_towards(host: str) -> str | None:
@@ -110,7 +99,7 @@ def free_port(local: bool) -> int:
 
 def node_argv(*, host: str, node_rank: int, nnodes: int, nproc: int, master: str, port: int,
               job: str, monitor_interval: float, prefix: bool, rank0_only: bool,
-              command: Sequence[str], relay: str | None = None) -> list[str]:
+              command: Sequence[str], relay: str | None = None, env_stdin: bool = False) -> list[str]:
     """The command line of node `node_rank` (this interpreter, this module) running `command`."""
     out = [sys.executable, "-u", "-m", "torchring.launch.node", f"--host={host}",
            f"--node-rank={node_rank}", f"--nnodes={nnodes}", f"--nproc={nproc}",
@@ -119,6 +108,7 @@ def node_argv(*, host: str, node_rank: int, nnodes: int, nproc: int, master: str
     out += ["--no-prefix"] if not prefix else []
     out += ["--rank0-only"] if rank0_only else []
     out += [f"--relay={relay}"] if relay else []
+    out += ["--env-stdin"] if env_stdin else []
     return out + ["--", *command]
 
 
@@ -179,12 +169,18 @@ def _pump(source: IO[bytes], sink: IO[bytes], relayed: _relay.Receiver | None = 
         write(pending)
 
 
-def _start(host: str, argv: list[str], relayed: _relay.Receiver | None = None) -> _Node:
-    """Starts one node's command with its stdin a pipe (the node's lifeline) and its output pumped
-    (`relayed`: the files it sends on its stdout are written)."""
+def _start(host: str, argv: list[str], relayed: _relay.Receiver | None = None,
+           env: Mapping[str, str] | None = None) -> _Node:
+    """Starts one node's command with its stdin a pipe (the node's lifeline; `env` is written to
+    it first) and its output pumped (`relayed`: the files it sends on its stdout are written)."""
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
     node = _Node(host, proc)
+    if env is not None:
+        try:
+            _remote_env.send(proc.stdin, env)  # type: ignore[arg-type]
+        except OSError:
+            pass  # the node is already gone: its exit code says why
     for source, sink, files in ((proc.stdout, sys.stdout.buffer, relayed), (proc.stderr, sys.stderr.buffer, None)):
         thread = threading.Thread(target=_pump, args=(source, sink, files), daemon=True)
         thread.start()
@@ -235,13 +231,15 @@ def _ssh_hint(host: str, code: int) -> str:
 def launch(hosts: Sequence[tuple[str, int]], is_this_host: Callable[[str], bool], command: Sequence[str],
            *, monitor_interval: float = 0.1, prefix: bool = True, rank0_only: bool = False,
            ssh_port: int | None = None, ssh_identity: str | None = None, verbose: bool = False,
-           trace_dir: str | None = None) -> int:
+           trace_dir: str | None = None, env: Mapping[str, str] | None = None) -> int:
     """Runs `command` (torchrun's script tail) on `hosts` [(host, ranks)]; the first failure's exit
-    code. `trace_dir`: where the other hosts' status files and dumps are relayed to."""
+    code. `trace_dir`: where the other hosts' status files and dumps are relayed to; `env`: what
+    the other hosts' ranks get (default: remote_env of this environment)."""
     local = [is_this_host(h) for h, _ in hosts]
     remote = next((h for (h, _), here in zip(hosts, local) if not here), None)
     master, port = master_address(hosts[0][0], local[0], remote), free_port(local[0])
-    job, env, cwd = f"{os.getpid():x}{random.getrandbits(32):08x}", forwarded_env(os.environ), os.getcwd()
+    job, cwd = f"{os.getpid():x}{random.getrandbits(32):08x}", os.getcwd()
+    env = dict(env) if env is not None else _remote_env.remote_env(os.environ)
     nodes: list[_Node] = []
     stop_signal: list[int] = []
     previous = {s: signal.signal(s, lambda sig, _f: stop_signal.append(sig))
@@ -251,12 +249,13 @@ def launch(hosts: Sequence[tuple[str, int]], is_this_host: Callable[[str], bool]
             relay = None if here or not trace_dir else trace_dir
             argv = node_argv(host=host, node_rank=rank, nnodes=len(hosts), nproc=nproc, master=master,
                              port=port, job=job, monitor_interval=monitor_interval, prefix=prefix,
-                             rank0_only=rank0_only, command=command, relay=relay)
+                             rank0_only=rank0_only, command=command, relay=relay, env_stdin=not here)
             if not here:
-                argv = client_argv(host, remote_command(argv, env, cwd), port=ssh_port, identity=ssh_identity)
+                command_line = remote_command(argv, _remote_env.bootstrap_env(env), cwd)
+                argv = client_argv(host, command_line, port=ssh_port, identity=ssh_identity)
             if verbose:
                 print(f"torchring-run: {host}: {shlex.join(argv)}", file=sys.stderr)
-            nodes.append(_start(host, argv, _relay.Receiver(trace_dir) if relay else None))
+            nodes.append(_start(host, argv, _relay.Receiver(trace_dir) if relay else None, None if here else env))
         return _supervise(nodes, local, stop_signal)
     finally:
         _stop(nodes)  # leave nothing behind, whatever happened above (normally all have exited)
@@ -316,4 +315,5 @@ def launch_args(args: argparse.Namespace, is_this_host: Callable[[str], bool], c
     return launch(plan_hosts(args.remote_hosts, args.num_proc), is_this_host, command,
                   monitor_interval=args.monitor_interval, prefix=not args.no_prefix, rank0_only=args.rank0_only,
                   ssh_port=args.ssh_port, ssh_identity=args.ssh_identity_file, verbose=args.verbose,
-                  trace_dir=os.environ.get("TORCHRING_TRACE_DIR"))
+                  trace_dir=os.environ.get("TORCHRING_TRACE_DIR"),
+                  env=_remote_env.remote_env(os.environ, args.env_deny or (), *_remote_env.parse_settings(args.env or ())))

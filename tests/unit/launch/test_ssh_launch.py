@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from torchring.launch import ssh as sl
+from torchring.launch import remote_env, ssh as sl
 from torchring.launch import node as _ssh_node, cli as run
 
 
@@ -25,19 +25,43 @@ def test_ranks_fill_the_hosts_in_their_order() -> None:
         sl.plan_hosts(hosts, 7)
 
 
-def test_the_variables_that_matter_are_forwarded_and_host_specific_ones_are_not() -> None:
+def test_every_variable_is_forwarded_but_the_deny_list_and_host_specific_ones() -> None:
     env = {"TORCHRING_TIMEOUT": "20", "HOROVOD_FUSION_THRESHOLD": "0", "PATH": "/venv/bin:/usr/bin",
            "PYTHONPATH": "/src", "VIRTUAL_ENV": "/venv", "OMP_NUM_THREADS": "2", "NCCL_DEBUG": "INFO",
            "LD_LIBRARY_PATH": "/lib", "TORCH_DISTRIBUTED_DEBUG": "DETAIL", "CUDA_VISIBLE_DEVICES": "0",
+           "NVIDIA_VISIBLE_DEVICES": "all", "ROCR_CUDA_VISIBLE_DEVICES": "1",
            "TORCHRING_ADDR": "10.0.0.1", "TORCHRING_BIND_ADDR": "10.0.0.1", "TORCHRING_HOSTNAME": "me",
            "TORCHRING_SSH": "ssh -v", "HOME": "/root", "SSH_AUTH_SOCK": "/tmp/x", "HOSTNAME": "me",
            "MASTER_ADDR": "me", "RANK": "0", "LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "x", "DISPLAY": ":0",
-           "HF_TOKEN": "secret", "AWS_SECRET_ACCESS_KEY": "secret"}
-    got = sl.forwarded_env(env)
+           "OLDPWD": "/", "PWD": "/here", "SHLVL": "2", "BASH_FUNC_f%%": "() { :; }",
+           "HF_TOKEN": "secret", "AWS_SECRET_ACCESS_KEY": "secret", "DATA_DIR": "/data", "WANDB_API_KEY": "k"}
+    got = remote_env.remote_env(env)
     assert set(got) == {"TORCHRING_TIMEOUT", "HOROVOD_FUSION_THRESHOLD", "PATH", "PYTHONPATH", "VIRTUAL_ENV",
                         "OMP_NUM_THREADS", "NCCL_DEBUG", "LD_LIBRARY_PATH", "TORCH_DISTRIBUTED_DEBUG",
-                        "CUDA_VISIBLE_DEVICES"}
+                        "NVIDIA_VISIBLE_DEVICES", "HF_TOKEN", "AWS_SECRET_ACCESS_KEY", "DATA_DIR", "WANDB_API_KEY"}
     assert all(got[name] == env[name] for name in got)
+    keep, values = remote_env.parse_settings(["HOME", "EXTRA=a=b c"])
+    got = remote_env.remote_env(env, deny=["AWS_*", "HF_TOKEN"], keep=keep, values=values)
+    assert "AWS_SECRET_ACCESS_KEY" not in got and "HF_TOKEN" not in got
+    assert got["HOME"] == "/root" and got["EXTRA"] == "a=b c" and got["DATA_DIR"] == "/data"
+    assert remote_env.bootstrap_env(got) == {"PATH": "/venv/bin:/usr/bin", "PYTHONPATH": "/src",
+                                             "VIRTUAL_ENV": "/venv", "LD_LIBRARY_PATH": "/lib"}
+    for bad in ("=x", "A B=1", ""):
+        with pytest.raises(ValueError, match="expected NAME or NAME=VALUE"):
+            remote_env.parse_settings([bad])
+
+
+def test_the_environment_travels_through_stdin_and_the_lifeline_stays_behind_it(tmp_path: Path) -> None:
+    reader = ("import json, os, sys; from torchring.launch import remote_env; got = remote_env.take(); "
+              "rest = sys.stdin.buffer.read(); print(json.dumps([os.environ['SECRET'], got, rest.decode()]))")
+    proc = subprocess.Popen([sys.executable, "-c", reader], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            cwd=str(Path(sl.__file__).parents[2]), env={"PATH": "/usr/bin:/bin"})
+    remote_env.send(proc.stdin, {"SECRET": "s3cr3t \n 'x'", "DATA_DIR": "/d"})
+    proc.stdin.write(b"lifeline bytes")
+    out, _ = proc.communicate(timeout=60)
+    secret, got, rest = json.loads(out)
+    assert secret == "s3cr3t \n 'x'" and got == {"SECRET": "s3cr3t \n 'x'", "DATA_DIR": "/d"}
+    assert rest == "lifeline bytes"
 
 
 _ECHO = "import json, os, sys; print(json.dumps([os.getcwd(), sys.argv[1:], dict(os.environ)]))"
