@@ -19,7 +19,8 @@ from typing import Any
 import torch.distributed as dist
 
 from ..trace import recorder as _recorder
-from . import build as _build, env as _env, gpu_path as _gpu_path, rendezvous as _rendezvous
+from . import build as _build, env as _env, gpu_path as _gpu_path, rendezvous as _rendezvous, shm_room as _shm_room
+from .log import logger
 from .settings import Settings
 
 
@@ -93,6 +94,10 @@ def init(timeout: float | None = None, membership: tuple[int, int, int] | None =
     my_real = next(g for g in wired.real_groups if rank in g)
     local_rank = launch.local_rank if launch.local_rank is not None else my_real.index(rank)
     local_size = launch.local_world_size if launch.local_world_size is not None else len(my_real)
+    if comm.has_shm and local_rank == 0:
+        note = _shm_room.advice_once(local_size, settings.shm_arena_mb)
+        if note:
+            logger.warning("rank %d: %s", rank, note)
     used = "none" if world == 1 else "+".join(
         t for t, on in (("shm", comm.has_shm), ("tcp", comm.num_hosts > 1)) if on)
     _state = _State(launch, comm, local_rank, local_size, used or "none", settings, engine=engine,
