@@ -60,16 +60,6 @@ def register(trace_dir: str, world: int, command: list[str]) -> Path:
     return path
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def running_jobs() -> list[dict[str, Any]]:
     """The registered jobs whose launcher still runs (a stale registration is removed)."""
     jobs = []
@@ -78,7 +68,7 @@ def running_jobs() -> list[dict[str, Any]]:
             job = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if _alive(int(job.get("pid", 0))):
+        if _status.alive(int(job.get("pid", 0))):
             jobs.append(job)
         else:
             path.unlink(missing_ok=True)

@@ -25,11 +25,11 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from . import dump as _dump, progress as _progress
 
-__all__ = ["PREFIX", "phases", "measure", "write", "read", "lines", "records", "Rates"]
+__all__ = ["PREFIX", "alive", "phases", "measure", "write", "read", "lines", "records", "Rates"]
 
 PREFIX = "status_rank_"
 
@@ -66,9 +66,11 @@ def _where() -> str | None:
 def phases(engine: Any) -> dict[str, float]:
     """This rank's seconds so far in data loading, communication (an operation in flight) and
     compute (the rest of its time)."""
-    data_s = _progress.counters.data_ns * 1e-9
-    comm_s = engine.trace_progress()["in_flight_s"]
     wall_s = (time.time_ns() - _progress.counters.started_ns) * 1e-9
+    return _split(_progress.counters.data_ns * 1e-9, engine.trace_progress()["in_flight_s"], wall_s)
+
+
+def _split(data_s: float, comm_s: float, wall_s: float) -> dict[str, float]:
     return {"data": data_s, "communication": comm_s, "compute": max(0.0, wall_s - data_s - comm_s)}
 
 
@@ -89,8 +91,7 @@ def measure(engine: Any, rank: int, world: int, host: str, interval_s: float, ra
         "current": _op(meter["current"], "age_s"), "last": _op(meter["last"], "ago_s"),
         "waited_s": {str(peer): s for peer, s in meter["waited_s"].items()},
         "where": _where() if state != "exited" else None,
-        "phases": {"data": counts["data_s"], "communication": comm_s,
-                   "compute": max(0.0, wall_s - counts["data_s"] - comm_s)},
+        "phases": _split(counts["data_s"], comm_s, wall_s),
     }
     rates.time_ns, rates.samples, rates.comm_s = now, counts["samples"], comm_s
     return status
@@ -125,7 +126,8 @@ def read(directory: str | os.PathLike[str]) -> dict[int, dict[str, Any]]:
     return found
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process `pid` of this host still exists (one of another user counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -139,7 +141,7 @@ def _condition(s: dict[str, Any], now_ns: int, this_host: str) -> str | None:
     """"dead", "unresponsive ..." or "exited"; None while the rank answers."""
     if s.get("state", "running") != "running":
         return s["state"]  # "exited", "stopped by SIGTERM"
-    if s.get("host") == this_host and not _alive(int(s["pid"])):
+    if s.get("host") == this_host and not alive(int(s["pid"])):
         return f"DEAD (process {s['pid']} is gone)"
     age = (now_ns - s["time_ns"]) * 1e-9
     if age > max(3.0, 3 * float(s.get("interval_s") or 1.0)):
@@ -186,8 +188,7 @@ def progress_bar(statuses: dict[int, dict[str, Any]], width: int = 30) -> str | 
             f"({slowest['epoch_batch']}/{slowest['epoch_length']} batches{behind})")
 
 
-def lines(directory: str | os.PathLike[str], world: int | None = None, now_ns: int | None = None,
-          alive: Callable[[], bool] | None = None) -> list[str]:
+def lines(directory: str | os.PathLike[str], world: int | None = None, now_ns: int | None = None) -> list[str]:
     """The status table of the ranks writing to `directory`: a header, a line per rank, the
     ranks never heard from, the progress bar."""
     statuses = read(directory)
