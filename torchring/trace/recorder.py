@@ -43,6 +43,7 @@ from . import dump as _dump, status as _status
 
 _log = logging.getLogger("torchring")
 _FAILURE = b"F"
+_WAKE = b"W"  # re-armed: take up the status interval again
 _SIGTERM_GRACE_S = 3.0  # how long a SIGTERM'd rank may take to dump before it ends anyway
 
 
@@ -85,6 +86,10 @@ def arm(engine: Any, rank: int, world: int, host: str, directory: str | os.PathL
         _armed.rank, _armed.world, _armed.host = rank, world, host
         _armed.directory, _armed.timeout_s = Path(directory), timeout_s
         _armed.status_s, _armed.stopped = status_s, False
+        try:
+            os.write(_armed.write_fd, _WAKE)  # the thread may wait without a timeout since shutdown
+        except OSError:
+            pass
         return
     package = str(Path(__file__).resolve().parents[1]) + os.sep
     torch_dir = str(Path(sys.modules["torch"].__file__).resolve().parent) + os.sep if "torch" in sys.modules else None
