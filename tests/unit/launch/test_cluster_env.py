@@ -53,9 +53,17 @@ def test_an_mpijob_rank_is_read_from_open_mpis_variables_and_the_manifests_maste
 
 
 def test_the_manifests_pass_what_the_tests_feed() -> None:
-    pytorchjob = (EXAMPLES / "pytorchjob.yaml").read_text()
-    assert "kind: PyTorchJob" in pytorchjob and 'command: ["torchrun", "examples/train.py"' in pytorchjob
-    assert "mountPath: /dev/shm" in pytorchjob and "medium: Memory" in pytorchjob
-    mpijob = (EXAMPLES / "mpijob.yaml").read_text()
-    assert "kind: MPIJob" in mpijob and "MASTER_ADDR=torchring-horovod-worker-0.torchring-horovod-worker" in mpijob
-    assert "examples/horovod_mnist_style.py" in mpijob
+    import yaml  # PyYAML comes with the test extra (torch's and Lightning's dependencies)
+
+    job = yaml.safe_load((EXAMPLES / "pytorchjob.yaml").read_text())
+    assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v1", "PyTorchJob")
+    for replica in job["spec"]["pytorchReplicaSpecs"].values():
+        pod = replica["template"]["spec"]
+        assert pod["containers"][0]["command"][:2] == ["torchrun", "examples/train.py"]
+        assert pod["containers"][0]["volumeMounts"] == [{"name": "dshm", "mountPath": "/dev/shm"}]
+        assert pod["volumes"][0]["emptyDir"]["medium"] == "Memory"
+    mpi = yaml.safe_load((EXAMPLES / "mpijob.yaml").read_text())
+    assert (mpi["apiVersion"], mpi["kind"]) == ("kubeflow.org/v2beta1", "MPIJob")
+    command = mpi["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["command"]
+    assert command[0] == "mpirun" and "MASTER_ADDR=torchring-horovod-worker-0.torchring-horovod-worker" in command
+    assert (Path(__file__).resolve().parents[3] / command[-1]).is_file()
