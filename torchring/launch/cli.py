@@ -365,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     _status.enable(env, os.environ)
     os.environ.update(env)  # torch's agent starts the ranks with this process's environment
+    chosen = bool(os.environ.get(_trace_report.VARIABLE, "").strip())
     trace_dir = _trace_report.choose_directory(os.environ)
     world = args.num_proc or sum(n for _, n in (args.remote_hosts or []))
     job = {"pid": os.getpid(), "trace_dir": trace_dir, "world": world,
@@ -381,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         report = _status.end_report(trace_dir)
         if report:
             print(report, file=sys.stderr)
+        _trace_report.clean_up(trace_dir, chosen)
     return code
 
 

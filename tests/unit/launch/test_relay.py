@@ -60,3 +60,24 @@ def test_the_sender_sends_changed_statuses_then_everything_at_the_end(tmp_path: 
     assert receiver.take(out.read_bytes()) == b""
     assert receiver.received == ["status_rank_1.json", "torchring_trace_rank_1"]
     assert (tmp_path / "launcher" / "torchring_trace_rank_1").read_bytes() == bytes(range(256)) * 40
+
+
+def test_a_successful_runs_own_trace_directory_goes_unless_it_holds_a_dump(tmp_path: Path, monkeypatch) -> None:
+    import tempfile
+
+    from torchring.launch import trace_report
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    plain = trace_report.choose_directory({})
+    (Path(plain) / "status_rank_0.json").write_text("{}")
+    trace_report.clean_up(plain, chosen_by_user=False)
+    assert not Path(plain).exists()
+    kept = trace_report.choose_directory({})
+    (Path(kept) / "torchring_trace_rank_0").write_bytes(b"x")  # torchring.dump_trace() during the run
+    trace_report.clean_up(kept, chosen_by_user=False)
+    assert (Path(kept) / "torchring_trace_rank_0").exists()
+    mine = tmp_path / "my-traces"
+    mine.mkdir()
+    (mine / "status_rank_0.json").write_text("{}")
+    trace_report.clean_up(str(mine), chosen_by_user=True)
+    assert (mine / "status_rank_0.json").exists()
