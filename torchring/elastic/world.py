@@ -31,6 +31,7 @@ import torch.distributed as dist
 from .._core import context as _context, env as _env, gpu_path as _gpu_path, log as _log, \
     nccl_shrink as _nccl_shrink, rendezvous as _rendezvous
 from ..collectives import basic as _basic
+from ..trace import status as _status
 from . import membership, standby
 from .membership import Epoch, Member, NotAMemberError
 
@@ -223,26 +224,11 @@ def dead_neighbours(store: Any, prefix: str, host: str, rank: int, world: int) -
             if peer == rank or not store.check([key]):
                 continue
             info = json.loads(store.get(key))
-            if info.get("host") == host and not _alive(int(info["pid"])):
+            if info.get("host") == host and not _status.alive(int(info["pid"])):
                 gone += 1
     except dist.DistError:  # the store failed with its host: reform() meets at a standby, settling
         return 0
     return gone
-
-
-def _alive(pid: int) -> bool:
-    """Whether process `pid` still runs (a zombie, killed and not yet reaped by its parent, does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: it exists
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 def reform_process_group(backend: str = "torchring", min_size: int | None = None, settle: float = DEFAULT_SETTLE_S,

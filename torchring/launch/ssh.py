@@ -162,7 +162,7 @@ def _pump(source: IO[bytes], sink: IO[bytes], relayed: _relay.Receiver | None = 
         cut = max(pending.rfind(b"\n"), pending.rfind(b"\r")) + 1
         if cut:
             text = pending[:cut] if relayed is None else relayed.take(pending[:cut])
-            if text and not console.broken:
+            if text:  # all of it may have been relayed files
                 write(text)
             pending = pending[cut:]
     if pending:

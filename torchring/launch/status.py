@@ -14,7 +14,7 @@ world size) for as long as it runs, so that
 - ``--live S`` prints it every S seconds while the job runs, plain lines that stay clean in a
   log, with a progress bar for the epoch when torchring.data's loader is in use;
 - at the end of a job that succeeded, when one rank made the others wait a noticeable share of
-  the run (``notable``), the straggler report (torchring/trace/stragglers.py) is printed, with
+  the run, the straggler report (torchring/trace/stragglers.py) is printed, with
   the phase it was late in.
 """
 
@@ -133,21 +133,17 @@ def answer_sigusr1(job: dict[str, Any], out: TextIO = sys.stderr) -> None:
     signal.signal(signal.SIGUSR1, handler)
 
 
-def notable(statuses: dict[int, dict[str, Any]]) -> bool:
-    """True when a rank made the others wait at least 1 s and 5% of the run in all."""
-    made = _stragglers.blame(_status.records(statuses))
-    worst = max((sum(by.values()) for by in made.values()), default=0.0)
-    wall = max((s.get("wall_s", 0.0) for s in statuses.values()), default=0.0)
-    return worst >= max(1.0, 0.05 * wall)
-
-
 def end_report(trace_dir: str, force: bool = False) -> str:
-    """The straggler report of a finished job from its ranks' last statuses ("" when none is
-    notable, unless `force`)."""
+    """The straggler report of a finished job from its ranks' last statuses: "" unless a rank
+    made the others wait at least 1 s and 5% of the run in all (or `force`)."""
     statuses = _status.read(trace_dir) if os.path.isdir(trace_dir) else {}
-    if not statuses or not (force or notable(statuses)):
+    if not statuses:
         return ""
     records = _status.records(statuses)
-    worst = max((sum(by.values()) for by in _stragglers.blame(records).values()), default=0.0)
-    lines = _stragglers.report(records, top=3, at_least_s=0.1 * worst)  # the ranks that matter
+    blamed = _stragglers.blame(records)
+    worst = max((sum(by.values()) for by in blamed.values()), default=0.0)
+    wall = max((s.get("wall_s", 0.0) for s in statuses.values()), default=0.0)
+    if not force and worst < max(1.0, 0.05 * wall):
+        return ""
+    lines = _stragglers.report(records, top=3, at_least_s=0.1 * worst, blamed=blamed)  # the ranks that matter
     return "\n".join(f"torchring-run: {line}" for line in lines)

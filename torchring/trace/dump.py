@@ -52,14 +52,17 @@ _LIBRARIES = tuple(str(Path(p).resolve()) + os.sep for p in (
     Path(__file__).parents[1], Path(threading.__file__).parent))
 
 
-def thread_stacks() -> dict[str, list[dict[str, Any]]]:
-    """Every thread's Python stack, innermost frame first: {"MainThread (ident)": [frames]}; a
-    frame in torchring, torch or Python's own library (or a frozen module) says so ("library": True)."""
+def thread_stacks(only: int | None = None) -> dict[str, list[dict[str, Any]]]:
+    """Every thread's Python stack (`only`: that thread's), innermost frame first: {"MainThread
+    (ident)": [frames]}; a frame in torchring, torch or Python's own library (or a frozen module)
+    says so ("library": True)."""
     libraries = _LIBRARIES + ((str(Path(sys.modules["torch"].__file__).parent) + os.sep,)
                               if "torch" in sys.modules else ())
     names = {t.ident: t.name for t in threading.enumerate()}
     stacks = {}
     for ident, frame in sys._current_frames().items():
+        if only is not None and ident != only:
+            continue
         frames = [{"filename": f.filename, "line": f.lineno or 0, "name": f.name,
                    "library": f.filename.startswith(libraries) or f.filename.startswith("<")}
                   for f in reversed(traceback.extract_stack(frame))]

@@ -52,9 +52,8 @@ def _line_of(frame: Any) -> str | None:
 
 def _where() -> str | None:
     """The main thread's innermost frame of the program's own code, and the call it is in."""
-    stacks = _dump.thread_stacks()
-    main = f"{threading.main_thread().name} ({threading.main_thread().ident})"
-    frames = stacks.get(main, [])
+    main = threading.main_thread()
+    frames = _dump.thread_stacks(only=main.ident).get(f"{main.name} ({main.ident})", [])
     own = next((f for f in frames if not f["library"]), None)
     if own is None:
         return None
@@ -127,14 +126,19 @@ def read(directory: str | os.PathLike[str]) -> dict[int, dict[str, Any]]:
 
 
 def alive(pid: int) -> bool:
-    """Whether process `pid` of this host still exists (one of another user counts)."""
+    """Whether process `pid` of this host still runs (one of another user counts; a zombie,
+    killed and not yet reaped by its parent, does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except PermissionError:  # another user's process: it exists
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def _condition(s: dict[str, Any], now_ns: int, this_host: str) -> str | None:

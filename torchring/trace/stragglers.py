@@ -37,7 +37,8 @@ def made_wait(records: list[dict[str, Any]]) -> dict[int, dict[int, float]]:
         for peer, seconds in rec.get("waited_s", {}).items():
             peer = int(peer)
             if peer != rec["rank"] and seconds > 0:
-                made.setdefault(peer, {})[rec["rank"]] = made.setdefault(peer, {}).get(rec["rank"], 0.0) + seconds
+                by = made.setdefault(peer, {})
+                by[rec["rank"]] = by.get(rec["rank"], 0.0) + seconds
     return made
 
 
@@ -89,10 +90,11 @@ def phase_of(culprit: dict[str, Any], others: list[dict[str, Any]], lateness: fl
             "its communication is slow, look at its link or host")
 
 
-def report(records: list[dict[str, Any]], top: int = 5, at_least_s: float = 0.0) -> list[str]:
+def report(records: list[dict[str, Any]], top: int = 5, at_least_s: float = 0.0,
+           blamed: dict[int, dict[int, float]] | None = None) -> list[str]:
     """The report's lines, the rank that made the others wait most first (ranks below
     `at_least_s` in total are left out); ["no rank made another wait"] when none did."""
-    made = blame(records)
+    made = blame(records) if blamed is None else blamed
     by_rank = {rec["rank"]: rec for rec in records}
     ranked = [(peer, by) for peer, by in sorted(made.items(), key=lambda kv: -sum(kv[1].values()))
               if sum(by.values()) > 0 and sum(by.values()) >= at_least_s][:top]
