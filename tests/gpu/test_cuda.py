@@ -139,8 +139,9 @@ def _watchdog(rank: int) -> dict:
     try:
         assert torchring.cuda.path() == "nccl", (torchring.cuda.path(), torchring.cuda.reason())
         dev = torchring.cuda.device()
+        t = _warmed_up(dev)
         torch.cuda._sleep(int(60e9))  # 60e9 GPU clock cycles: about 30 s at 2 GHz
-        handle = torchring.allreduce_async(torch.ones(16, device=dev))
+        handle = torchring.allreduce_async(t)
         start, error = time.monotonic(), None
         try:
             while time.monotonic() - start < 25:
@@ -162,16 +163,34 @@ def test_nccl_watchdog_aborts_a_stuck_collective() -> None:
     assert r["elapsed"] < 15, f"the watchdog took {r['elapsed']:.1f} s"
 
 
+def _warmed_up(dev: torch.device) -> torch.Tensor:
+    """A tensor of 16 ones on `dev` after one finished allreduce: the first collective's setup
+    (NCCL's lazy connection, the first allocations) may wait for the whole device, so it must
+    not come after the kernel a test queues to hold the collective back."""
+    import torchring
+
+    torchring.allreduce(torch.zeros(16, device=dev))
+    t = torch.ones(16, device=dev)
+    torch.cuda.synchronize(dev)
+    return t
+
+
 def _timed_wait(rank: int) -> dict:
     """Handle.wait(timeout) on the NCCL path: expires with WaitTimeoutError while a GPU kernel
-    holds the collective back, aborts nothing, and the collective then completes."""
+    holds the collective back, aborts nothing, and the collective then completes; queuing the
+    collective does not wait for the kernel (launch_s)."""
+    import time
+
     import torchring
     torchring.init()
     try:
         assert torchring.cuda.path() == "nccl", (torchring.cuda.path(), torchring.cuda.reason())
         dev = torchring.cuda.device()
+        t = _warmed_up(dev)
         torch.cuda._sleep(int(4e9))  # about 2 s at 2 GHz, ahead of the collective on the stream
-        handle = torchring.allreduce_async(torch.ones(16, device=dev))
+        start = time.monotonic()
+        handle = torchring.allreduce_async(t)
+        launch_s = time.monotonic() - start
         try:
             handle.wait(timeout=0.2)
             expired = None
@@ -179,12 +198,13 @@ def _timed_wait(rank: int) -> dict:
             expired = str(e)
         result = handle.synchronize().cpu().tolist()
         again = torchring.allreduce(torch.full((4,), 2.0, device=dev)).cpu().tolist()
-        return {"expired": expired, "result": result, "again": again}
+        return {"expired": expired, "result": result, "again": again, "launch_s": launch_s}
     finally:
         torchring.shutdown()
 
 
 def test_nccl_timed_wait_expires_without_aborting() -> None:
     (r,) = spawn(1, _timed_wait, env={"TORCHRING_TIMEOUT": "60"}, timeout=180)
+    assert r["launch_s"] < 1.0, f"allreduce_async blocked {r['launch_s']:.2f} s behind the queued kernel"
     assert r["expired"] is not None and "Handle.wait(timeout=0.2) expired" in r["expired"], r
     assert r["result"] == [1.0] * 16 and r["again"] == [2.0] * 4, r
