@@ -29,7 +29,10 @@ ncclDataType_t ncclType(at::ScalarType type) {
   }
 }
 
-ncclRedOp_t ncclOp(ReduceOp op) {
+// Over one rank the average is the sum: ncclAvg would still run a kernel that divides every
+// element by 1 (a read and a write of the whole tensor), ncclSum in place runs nothing.
+ncclRedOp_t ncclOp(ReduceOp op, int ranks) {
+  if (ranks == 1 && op == ReduceOp::AVG) op = ReduceOp::SUM;
   switch (op) {
     case ReduceOp::SUM: return ncclSum;
     case ReduceOp::PRODUCT: return ncclProd;
@@ -417,7 +420,7 @@ std::shared_ptr<NcclWork> NcclComm::launch(const std::string& call, const std::s
 std::shared_ptr<NcclWork> NcclComm::allreduce(at::Tensor t, ReduceOp op, std::shared_ptr<CpuWork> headerCheck) {
   std::string what = describe(headerCheck, t, op, -1);
   return launch("ncclAllReduce", what, {t}, t, std::move(headerCheck), [&](cudaStream_t s) {
-    return ncclAllReduce(t.data_ptr(), t.data_ptr(), t.numel(), ncclType(t.scalar_type()), ncclOp(op), comm_, s);
+    return ncclAllReduce(t.data_ptr(), t.data_ptr(), t.numel(), ncclType(t.scalar_type()), ncclOp(op, size_), comm_, s);
   });
 }
 
@@ -463,7 +466,7 @@ std::shared_ptr<NcclWork> NcclComm::reduceScatter(at::Tensor t, ReduceOp op, std
   std::string what = describe(headerCheck, t, op, -1);
   return launch("ncclReduceScatter", what, {t, out}, out, std::move(headerCheck), [&](cudaStream_t s) {
     return ncclReduceScatter(t.data_ptr(), out.data_ptr(), out.numel(), ncclType(t.scalar_type()),
-                             ncclOp(op), comm_, s);
+                             ncclOp(op, size_), comm_, s);
   });
 }
 
