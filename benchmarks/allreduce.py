@@ -26,11 +26,14 @@ back-to-back in-place allreduces timed as the mean per call. A trial's time is t
 ranks; the table shows the median over trials and, for torchring, the slowest trial over the
 median. best peer / torchring = the smallest of the peers' times over torchring's, each over the
 torchring of the same processes (above 1: torchring is faster); impi / torchring, Intel MPI's
-alone. Every rank runs torch.set_num_threads(1). Memory model: a single-thread `copy_` of
-256 MiB (STREAM counting: read + write) is the reference; an allreduce must at least read each
-rank's input and write its output, as much traffic per rank as one copy of the message, so
-model fraction = (time of one single-thread copy of the message) / (allreduce time), shown from
-16 MiB (below, the message lives in the caches the model leaves out).
+alone. Every rank runs torch.set_num_threads(1). Memory model: `copy_` of 256 MiB (STREAM
+counting: read + write), with one thread and with every core, measured in the same run; an
+allreduce must at least read each rank's input and write its output, as much traffic per rank
+as one copy of the message, and the n ranks share the memory bandwidth, so the model time is the
+longer of one single-thread copy of the message and n copies at the all-core bandwidth, and
+model fraction = model time / allreduce time, shown from 16 MiB (below, the message lives in the
+caches the model leaves out). Plain tensors are staged (a copy in and a copy out: twice the
+model's traffic); torchring.empty tensors are reduced in place (the model's traffic).
 """
 
 from __future__ import annotations
@@ -220,13 +223,15 @@ def main() -> None:
     args.libs = [lib for lib in wanted if not skipped.get(lib)]
     info = machine_info()
     info["copy_t1_GBps"] = copy_bandwidth()
+    info["copy_all_GBps"] = copy_bandwidth(threads=os.cpu_count() or 1)
     peers = peer_versions(args.libs)
     info["versions"] = ", ".join([f"torch {torch.__version__}", *peers])
     print_header(f"allreduce: {', '.join(args.libs)}", info, *peers)
     for lib, why in skipped.items():
         if why:
             print(f"(left out {lib}: {why})")
-    print(f"memory reference: copy_ 1 thread 256 MiB = {info['copy_t1_GBps']:.1f} GB/s; transport="
+    print(f"memory reference: copy_ 256 MiB = {info['copy_t1_GBps']:.1f} GB/s on 1 thread, "
+          f"{info['copy_all_GBps']:.1f} GB/s on {os.cpu_count()}; transport="
           f"{args.transport}; bind={args.bind}; times are medians of {args.trials} trials\n")
     rows: list[dict] = []
     for world in map(int, args.worlds.split(",")):
@@ -238,7 +243,9 @@ def main() -> None:
         print_table_header(args.libs)
 
         def on_row(row: dict, over: bool = bool(over)) -> None:
-            model_s = row["size"] / (info["copy_t1_GBps"] / 2 * 1e9)  # one single-thread copy of the message
+            # one single-thread copy of the message, or n copies sharing every core's bandwidth
+            model_s = max(row["size"] / (info["copy_t1_GBps"] / 2 * 1e9),
+                          row["world"] * row["size"] / (info["copy_all_GBps"] / 2 * 1e9))
             for lib in args.libs:
                 if lib in row:
                     row[lib]["busbw_over_copy_t1"] = row[lib]["busbw"] / info["copy_t1_GBps"]

@@ -51,9 +51,10 @@ struct CommOptions {
   // then picks its own from the local ranks' CPU sets (ShmOptions::spinAuto).
   bool spinAuto = false;
   // Internal, for tests: the largest staged shared-memory allreduce that runs one-shot
-  // (every rank reduces all of it). Tests set it to 0 to reach the chunked path with small
+  // (every rank reduces all of it; the default falls with the number of local ranks,
+  // ShmOptions::oneShotFor). Tests set it to 0 to reach the chunked path with small
   // tensors, as segmentBytes (at least a page) reaches the multi-segment paths.
-  size_t oneShotBytes = ShmOptions::kDefaultOneShotBytes;
+  size_t oneShotBytes = ShmOptions::kOneShotBySize;
   // Stores for the shared-memory staging writes: 0 measured while running, 1 cached,
   // 2 streaming (StorePolicy, stores.h; TORCHRING_SHM_STORES).
   int stagingStores = 0;

@@ -57,6 +57,7 @@ ShmGroup::ShmGroup(ShmOptions options) : opt_(std::move(options)), stores_(opt_.
   tableBytes_ = roundUp(2 * opt_.worldSize * sizeof(OpHeader), kPage);
   stagingOffset_ = controlBytes_ + tableBytes_;
   opt_.segmentBytes = roundUp(std::max<size_t>(opt_.segmentBytes, kPage), 64);
+  if (opt_.oneShotBytes == ShmOptions::kOneShotBySize) opt_.oneShotBytes = ShmOptions::oneShotFor(localSize());
   p2pOffset_ = roundUp(stagingOffset_ + 2 * stagingStride(), kPage);
   arenaOffset_ = p2pOffset_ + opt_.localRanks.size() * kP2PRingBytes;
   mappings_.resize(opt_.localRanks.size());

@@ -38,8 +38,19 @@ struct ShmOptions {
   static constexpr int kLongSpin = 20000, kNoSpin = 0;
   // A staged allreduce of at most this many bytes is one-shot: every rank reduces the whole
   // message (one synchronization per segment); above it, each rank reduces its chunk.
-  size_t oneShotBytes = kDefaultOneShotBytes;
-  static constexpr size_t kDefaultOneShotBytes = 128 << 10;
+  // kOneShotBySize (the default) takes oneShotFor(local ranks).
+  size_t oneShotBytes = kOneShotBySize;
+  static constexpr size_t kOneShotBySize = ~size_t{0};
+  // One-shot makes every rank read all n staged copies (n * S per rank, each cache line pulled
+  // by n - 1 other cores), the chunked path about 3 * S and one more synchronization: the
+  // one-shot limit falls as n grows, 128 KiB for 2 ranks (measured on 2 vCPUs), 64 KiB for 4,
+  // 32 KiB for 8, 16 KiB for 16. On 16 cores of a Xeon, 64 KiB one-shot took 85 us at 8
+  // ranks and 180 us at 16, where Open MPI's chunked allreduce took 60 and 87
+  // (benchmarks/RESULTS.md, "GPU machine, second visit").
+  static constexpr size_t kOneShotTotalBytes = 256 << 10;
+  static size_t oneShotFor(int localRanks) {
+    return kOneShotTotalBytes / static_cast<size_t>(localRanks < 2 ? 2 : localRanks);
+  }
   // Cached or streaming stores for staging writes, or AUTO: measured while running (core/stores.h).
   StorePolicy stagingStores = StorePolicy::AUTO;
 };
