@@ -1,7 +1,7 @@
 """A Ray driver for tests/spawned/ray: starts a real local Ray instance (or joins ADDRESS), runs one
 torchring job on it, writes what it saw to OUT/result.json and stops Ray.
 
-    python _ray_driver.py MODE OUT [ADDRESS]
+    python _ray_driver.py MODE OUT [ADDRESS]     # ADDRESS: a running Ray cluster's head (host:port)
 
 MODE: trainer-wrap, trainer-ddp, trainer-horovod (ray.train.torch.TorchTrainer with
 TorchConfig(backend="torchring") and nothing else torchring-specific on the driver), trainer-failure
@@ -50,8 +50,10 @@ def _steps(m: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, first: int
 
 
 def _report(out: str, rank: int, weights: list[float], **extra: object) -> None:
+    import socket
+
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump({"weights": weights, "pid": os.getpid(), **extra}, f)
+        json.dump({"weights": weights, "pid": os.getpid(), "host": socket.gethostname(), **extra}, f)
 
 
 def train_wrap(config: dict) -> None:
@@ -142,7 +144,9 @@ def main() -> None:
         if mode == "executor":
             from torchring.horovod.ray import RayExecutor
 
-            executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), num_workers=WORLD, cpus_per_worker=1)
+            # On a cluster (ADDRESS), one worker per node, as horovodrun's -H a:1,b:1.
+            shape = {"num_hosts": WORLD, "num_workers_per_host": 1} if address else {"num_workers": WORLD}
+            executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), cpus_per_worker=1, **shape)
             executor.start()
             seen["num_workers"] = executor.num_workers
             seen["run"] = executor.run(train_horovod, kwargs={"out": out})
