@@ -1,7 +1,7 @@
-"""A Ray driver for tests/spawned/ray: starts a real local Ray instance (or joins ADDRESS), runs one
-torchring job on it, writes what it saw to OUT/result.json and stops Ray.
+"""A Ray driver for tests/spawned/ray: starts a real local Ray instance (or joins ADDRESS), runs
+torchring jobs on it, writes what it saw to OUT/MODE/result.json and stops Ray.
 
-    python _ray_driver.py MODE OUT [ADDRESS]     # ADDRESS: a running Ray cluster's head (host:port)
+    python _ray_driver.py MODE[,MODE...] OUT [ADDRESS]   # ADDRESS: a running Ray cluster's head (host:port)
 
 MODE: trainer-wrap, trainer-ddp, trainer-horovod (ray.train.torch.TorchTrainer with
 TorchConfig(backend="torchring") and nothing else torchring-specific on the driver), trainer-failure
@@ -129,8 +129,40 @@ def train_failing(config: dict) -> None:
     _report(config["out"], rank, m.module.weight.flatten().tolist(), first=first)
 
 
+def run_mode(mode: str, out: str, address: str | None) -> dict:
+    """One job on the running Ray; what the driver saw."""
+    seen: dict = {"mode": mode}
+    if mode == "executor":
+        from torchring.horovod.ray import RayExecutor
+
+        # On a cluster (ADDRESS), one worker per node, as horovodrun's -H a:1,b:1.
+        shape = {"num_hosts": WORLD, "num_workers_per_host": 1} if address else {"num_workers": WORLD}
+        executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), cpus_per_worker=1, **shape)
+        executor.start()
+        seen["num_workers"] = executor.num_workers
+        seen["run"] = executor.run(train_horovod, kwargs={"out": out})
+        seen["execute"] = executor.execute(lambda _: int(os.environ["RANK"]))
+        executor.shutdown()
+        return seen
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    fn = {"trainer-wrap": train_wrap, "trainer-ddp": train_ddp, "trainer-horovod": train_hvd,
+          "trainer-failure": train_failing}[mode]
+    trainer = TorchTrainer(
+        fn, train_loop_config={"out": out},
+        scaling_config=ScalingConfig(num_workers=WORLD, resources_per_worker={"CPU": 1}),
+        torch_config=TorchConfig(backend="torchring"),
+        run_config=RunConfig(storage_path=os.path.join(out, "ray_results"), name=mode,
+                             failure_config=FailureConfig(max_failures=1 if mode == "trainer-failure" else 0)))
+    result = trainer.fit()
+    seen["error"] = None if result.error is None else repr(result.error)
+    return seen
+
+
 def main() -> None:
-    mode, out = sys.argv[1], sys.argv[2]
+    """Each MODE (comma-separated) in OUT/MODE/, on one Ray instance."""
+    modes, out = sys.argv[1].split(","), sys.argv[2]
     address = sys.argv[3] if len(sys.argv) > 3 else None
     import ray
 
@@ -139,37 +171,14 @@ def main() -> None:
         ray.init(address=address, runtime_env={"env_vars": env})
     else:
         ray.init(num_cpus=WORLD, include_dashboard=False, runtime_env={"env_vars": env})
-    seen: dict = {"mode": mode}
     try:
-        if mode == "executor":
-            from torchring.horovod.ray import RayExecutor
-
-            # On a cluster (ADDRESS), one worker per node, as horovodrun's -H a:1,b:1.
-            shape = {"num_hosts": WORLD, "num_workers_per_host": 1} if address else {"num_workers": WORLD}
-            executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), cpus_per_worker=1, **shape)
-            executor.start()
-            seen["num_workers"] = executor.num_workers
-            seen["run"] = executor.run(train_horovod, kwargs={"out": out})
-            seen["execute"] = executor.execute(lambda _: int(os.environ["RANK"]))
-            executor.shutdown()
-        else:
-            from ray.train import FailureConfig, RunConfig, ScalingConfig
-            from ray.train.torch import TorchConfig, TorchTrainer
-
-            fn = {"trainer-wrap": train_wrap, "trainer-ddp": train_ddp, "trainer-horovod": train_hvd,
-                  "trainer-failure": train_failing}[mode]
-            trainer = TorchTrainer(
-                fn, train_loop_config={"out": out},
-                scaling_config=ScalingConfig(num_workers=WORLD, resources_per_worker={"CPU": 1}),
-                torch_config=TorchConfig(backend="torchring"),
-                run_config=RunConfig(storage_path=os.path.join(out, "ray_results"), name=mode,
-                                     failure_config=FailureConfig(max_failures=1 if mode == "trainer-failure" else 0)))
-            result = trainer.fit()
-            seen["error"] = None if result.error is None else repr(result.error)
+        for mode in modes:
+            os.makedirs(os.path.join(out, mode), exist_ok=True)
+            seen = run_mode(mode, os.path.join(out, mode), address)
+            with open(os.path.join(out, mode, "result.json"), "w") as f:
+                json.dump(seen, f)
     finally:
         ray.shutdown()
-    with open(os.path.join(out, "result.json"), "w") as f:
-        json.dump(seen, f)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -39,34 +38,41 @@ def _ray_processes() -> list[str]:
             if any(k in line for k in ("raylet", "gcs_server", "ray::", "default_worker.py"))]
 
 
-def drive(mode: str, tmp_path, timeout: float = 240) -> dict:
-    """Runs the driver in its own process and returns result.json and every rank's report."""
+def drive(modes: list[str], tmp_path, timeout: float = 300) -> dict[str, dict]:
+    """Runs the driver (one Ray instance for every mode) in its own process; per mode, its
+    result.json and every rank's report."""
     before = set(_ray_processes())
-    done = subprocess.run([sys.executable, os.path.join(HERE, "_ray_driver.py"), mode, str(tmp_path)],
+    done = subprocess.run([sys.executable, os.path.join(HERE, "_ray_driver.py"), ",".join(modes), str(tmp_path)],
                           capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"})
-    assert done.returncode == 0, f"the Ray driver ({mode}) failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    assert done.returncode == 0, f"the Ray driver ({modes}) failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     left = [p for p in _ray_processes() if p not in before]
     assert not left, f"Ray processes outlived ray.shutdown(): {left}"
-    seen = json.loads((tmp_path / "result.json").read_text())
-    seen["ranks"] = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(job.WORLD)]
+    seen = {}
+    for mode in modes:
+        seen[mode] = json.loads((tmp_path / mode / "result.json").read_text())
+        seen[mode]["ranks"] = [json.loads((tmp_path / mode / f"rank{r}.json").read_text()) for r in range(job.WORLD)]
     return seen
 
 
-@pytest.mark.parametrize("mode", ["trainer-wrap", "trainer-ddp", "trainer-horovod"])
-def test_torch_trainer_on_the_torchring_backend(mode: str, tmp_path) -> None:
-    seen = drive(mode, tmp_path)
+def test_torch_trainer_on_the_torchring_backend(tmp_path) -> None:
+    """wrap, DDP and torchring.horovod training functions, one after the other on one Ray instance."""
+    modes = ["trainer-wrap", "trainer-ddp", "trainer-horovod"]
+    seen = drive(modes, tmp_path)
     want = reference()
-    for rank, r in enumerate(seen["ranks"]):
-        assert r["weights"] == want, f"{mode}: rank {rank} ended with {r['weights']}, one process with {want}"
-        if mode != "trainer-horovod":
-            assert r["backend"] == "torchring", r
-    assert seen["ranks"][0]["pid"] != seen["ranks"][1]["pid"]
+    for mode in modes:
+        ranks = seen[mode]["ranks"]
+        for rank, r in enumerate(ranks):
+            assert r["weights"] == want, f"{mode}: rank {rank} ended with {r['weights']}, one process with {want}"
+            if mode != "trainer-horovod":
+                assert r["backend"] == "torchring", r
+        assert ranks[0]["pid"] != ranks[1]["pid"]
 
 
 def test_failure_config_restarts_a_lost_worker_from_the_checkpoint(tmp_path) -> None:
-    seen = drive("trainer-failure", tmp_path)
-    assert (tmp_path / "died").exists(), "rank 1 never died: the test did not test recovery"
+    seen = drive(["trainer-failure"], tmp_path)["trainer-failure"]
+    out = tmp_path / "trainer-failure"
+    assert (out / "died").exists(), "rank 1 never died: the test did not test recovery"
     want = reference()
     for rank, r in enumerate(seen["ranks"]):
         assert r["weights"] == want, f"rank {rank} ended with {r['weights']} after the restart, one process with {want}"
@@ -75,13 +81,13 @@ def test_failure_config_restarts_a_lost_worker_from_the_checkpoint(tmp_path) -> 
         # landed when rank 1 died is Ray's timing).
         assert 1 <= r["first"] <= 4, r
     for rank in range(job.WORLD):
-        attempts = (tmp_path / f"attempt_rank{rank}.txt").read_text().split("\n")
+        attempts = (out / f"attempt_rank{rank}.txt").read_text().split("\n")
         starts = [line.split() for line in attempts if line]
         assert len(starts) == 2 and starts[0][1] == "0" and starts[0][0] != starts[1][0], starts
 
 
 def test_ray_executor_runs_a_horovod_function_on_every_rank(tmp_path) -> None:
-    seen = drive("executor", tmp_path)
+    seen = drive(["executor"], tmp_path)["executor"]
     want = reference()
     assert seen["num_workers"] == job.WORLD
     assert seen["run"] == [want] * job.WORLD, seen["run"]
