@@ -96,8 +96,10 @@ STEPS: list[Step] = [
     Step("machine", "GPU, driver, CUDA, NCCL, CPU model, copy bandwidths",
          ("benchmarks/gpu_machine.py", "--json", "{work}/machine.json"), 90, 10,
          dry=("benchmarks/gpu_machine.py", "--json", "{work}/machine.json")),
+    # The build's check without a GPU: the sources the NCCL build changes compiled against
+    # CUDA's and NCCL's headers (cuda_syntax.py); its dry form builds the CPU engine.
     Step("build", "the engine with the NCCL path, every core",
-         ("-m", "torchring.build"), 300, 60, parse=("-m", "torchring.build", "--help"), dry=("-m", "torchring.build"),
+         ("-m", "torchring.build"), 300, 60, parse=("benchmarks/cuda_syntax.py",), dry=("-m", "torchring.build"),
          beside=DEEPSPEED_OP, required=True),
     Step("tests", "tests/gpu: NCCL at world 1 (and shrunk), staged at worlds 2-4, wrap, horovod, c10d, failures",
          (*TESTS, *_parallel(), "--junitxml", "{work}/gpu-tests.xml"), 150, 60,
