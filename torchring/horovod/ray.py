@@ -13,7 +13,8 @@ environment that torchring.init() and hvd.init() read: RANK, WORLD_SIZE, LOCAL_R
 LOCAL_WORLD_SIZE, and MASTER_ADDR/MASTER_PORT, a free port on rank 0's node. run(), execute()
 and their variants call into every actor and return the results in rank order. Horovod's elastic
 mode (min_workers, max_workers, ...) is not here: torchring.horovod.elastic runs under
-torchring-run instead, and asking for it raises.
+torchring-run instead, and asking for it raises. use_current_placement_group is accepted for
+Horovod's signature; start() always makes a placement group of its own.
 """
 
 from __future__ import annotations
