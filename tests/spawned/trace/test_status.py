@@ -91,7 +91,10 @@ def test_live_view_and_the_end_report_name_the_rank_whose_loader_is_slow(tmp_pat
     assert job.returncode == 0, output
     tables = [line for line in output.splitlines() if line.startswith("  rank 2 (")]
     assert tables and any("samples/s" in line and "comm " in line for line in tables), output
-    assert any(line.startswith("  epoch 1 [") and "batches, rank " in line for line in output.splitlines()), output
+    # The epoch's bar. Which rank it names as furthest behind (when the sampled ranks differ by a
+    # batch) is a matter of when the status files were written, since the ranks move in lockstep;
+    # that rendering is tested in tests/unit/trace/test_status_report.py.
+    assert any(line.startswith("  epoch 1 [") and "/30 batches" in line for line in output.splitlines()), output
     lines = output.splitlines()
     at = next(i for i, line in enumerate(lines) if "who made the others wait" in line)
     first = lines[at + 1]
