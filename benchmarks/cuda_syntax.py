@@ -5,13 +5,15 @@
 The GPU machine builds the engine with TORCHRING_WITH_NCCL, which adds sources (torchring/csrc/cuda/)
 and code paths that a CPU build of torch never compiles, so a typo there would cost a GPU run its
 build step. This runs the compiler's front end (-fsyntax-only), with TORCHRING_WITH_NCCL defined,
-on the engine sources that test that define or include CUDA's headers, against this torch's headers (a CPU build ships c10/cuda's headers but
-not the one CMake generates, cuda_cmake_macros.h, which is written here), the CUDA toolkit's
-headers (CUDA_HOME, else /usr/local/cuda) and NCCL's (NCCL_HOME, else the nvidia-nccl wheel of a
-CUDA torch, else that wheel downloaded once into ~/.cache/torchring/nccl-headers). It checks
-syntax and types against those headers, not linking, and not torch's CUDA-only symbols that a CPU
-build lacks. Without a CUDA toolkit it prints NOT CHECKED and exits 0. benchmarks/gpu_suite.py
---dry-run (and so the test tier, tests/spawned/bench) runs it as the build step's check.
+on the engine sources that test that define or include CUDA's headers, against this torch's
+headers (a CPU build ships c10/cuda's headers but not the one CMake generates,
+cuda_cmake_macros.h, which is written here), the CUDA toolkit's (the one the engine's build takes:
+torchring._core.build.cuda_home) and NCCL's (build.nccl_roots: NCCL_HOME, else the nvidia-nccl
+wheel of a CUDA torch; else that wheel downloaded once into ~/.cache/torchring/nccl-headers). It
+checks syntax and types against those headers, not linking, and not torch's CUDA-only symbols
+that a CPU build lacks. Without a CUDA toolkit it prints NOT CHECKED and exits 0.
+benchmarks/gpu_suite.py --dry-run (and so the test tier, tests/spawned/bench) runs it as the
+build step's check.
 """
 
 from __future__ import annotations
@@ -28,19 +30,16 @@ from pathlib import Path
 import torch.utils.cpp_extension as cpp
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from torchring._core import build  # noqa: E402  (this checkout's, as the GPU suite runs it)
+
 CSRC = ROOT / "torchring" / "csrc"
 NCCL_WHEEL = "nvidia-nccl-cu13"
 
 
 def nccl_include() -> Path:
     """A directory holding nccl.h (see the module docstring for where it is looked for)."""
-    candidates = [Path(os.environ["NCCL_HOME"]) / "include"] if os.environ.get("NCCL_HOME") else []
-    try:  # present beside a CUDA build of torch
-        import nvidia.nccl
-
-        candidates += [Path(p) / "include" for p in nvidia.nccl.__path__]
-    except ImportError:
-        pass
+    candidates = [root / "include" for root in build.nccl_roots()]
     cache = Path.home() / ".cache" / "torchring" / "nccl-headers"
     candidates += [Path(p).parent for p in glob.glob(str(cache / "**" / "nccl.h"), recursive=True)]
     for c in candidates:
@@ -58,12 +57,6 @@ def nccl_include() -> Path:
     return Path(found[0]).parent
 
 
-def cuda_include() -> Path | None:
-    """The CUDA toolkit's include directory (CUDA_HOME, else /usr/local/cuda); None without one."""
-    home = Path(os.environ.get("CUDA_HOME") or cpp.CUDA_HOME or "/usr/local/cuda")
-    return home / "include" if (home / "include" / "cuda_runtime.h").exists() else None
-
-
 def check(source: Path, flags: list[str]) -> tuple[Path, str]:
     """(source, the compiler's errors or '')."""
     done = subprocess.run([os.environ.get("CXX", "c++"), "-fsyntax-only", *flags, str(source)],
@@ -72,10 +65,11 @@ def check(source: Path, flags: list[str]) -> tuple[Path, str]:
 
 
 def main() -> int:
-    cuda = cuda_include()
-    if cuda is None:  # a machine without the toolkit cannot check; it says so and does not fail
-        print("NOT CHECKED: no CUDA toolkit (cuda_runtime.h under CUDA_HOME or /usr/local/cuda)")
+    home = build.cuda_home()  # the toolkit the engine's own build would take
+    if home is None:  # a machine without the toolkit cannot check; it says so and does not fail
+        print("NOT CHECKED: no CUDA toolkit (cuda.h under CUDA_HOME, CUDA_PATH, nvcc's or /usr/local/cuda)")
         return 0
+    cuda = Path(home) / "include"
     with tempfile.TemporaryDirectory() as stub:
         macros = Path(stub) / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
         macros.parent.mkdir(parents=True)

@@ -43,6 +43,14 @@ def nccl_paths() -> tuple[str, str] | None:
     without a CUDA toolkit to compile against."""
     if not torch.version.cuda or cuda_home() is None:
         return None
+    for root in nccl_roots():
+        if (root / "include" / "nccl.h").exists() and (root / "lib").is_dir():
+            return str(root / "include"), str(root / "lib")
+    return None
+
+
+def nccl_roots() -> list[Path]:
+    """Where an NCCL may be, in order: NCCL_HOME, then the nvidia-nccl wheel's directories."""
     home = os.environ.get("NCCL_HOME")
     candidates = [Path(home)] if home else []
     try:  # optional: the nvidia-nccl wheel exists only beside a CUDA build of torch
@@ -50,10 +58,7 @@ def nccl_paths() -> tuple[str, str] | None:
         candidates += [Path(p) for p in nvidia.nccl.__path__]
     except ImportError:
         pass
-    for root in candidates:
-        if (root / "include" / "nccl.h").exists() and (root / "lib").is_dir():
-            return str(root / "include"), str(root / "lib")
-    return None
+    return candidates
 
 
 def cuda_home() -> str | None:

@@ -20,9 +20,11 @@ Horovod's signature; start() always makes a placement group of its own.
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
+
+from ..launch.ssh import free_port
+from .cluster_env import rank_environments
 
 __all__ = ["RayExecutor", "RaySettings"]
 
@@ -62,9 +64,7 @@ class _Worker:
 
     def free_port(self) -> int:
         """A TCP port free on this node now (for the job's store, on rank 0's node)."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+        return free_port(local=True)
 
     def setup(self, env: dict[str, str], cls: type | None, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         """Takes the job's environment and builds the executable object, if one is given."""
@@ -165,17 +165,10 @@ class RayExecutor:
                  for w, e in zip(self._workers, env)], timeout=self.settings.timeout_s)
 
     def _environments(self, where: list[tuple[str, str]], port: int, extra: dict[str, str]) -> list[dict[str, str]]:
-        """Each rank's torchrun environment: consecutive ranks per node, the store on rank 0's node."""
-        per_node: dict[str, int] = {}
-        local = []
-        for node, _ in where:
-            local.append(per_node.get(node, 0))
-            per_node[node] = local[-1] + 1
-        world = len(where)
-        return [{**extra, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local[r]),
-                 "LOCAL_WORLD_SIZE": str(per_node[where[r][0]]), "MASTER_ADDR": where[0][1],
-                 "MASTER_PORT": str(port), "TORCHRING_TIMEOUT": os.environ.get(
-                     "TORCHRING_TIMEOUT", str(self.settings.timeout_s))} for r in range(world)]
+        """Each rank's torchrun environment (cluster_env.py): local ranks per Ray node, the store on rank 0's."""
+        timeout = os.environ.get("TORCHRING_TIMEOUT", str(self.settings.timeout_s))
+        return rank_environments([node for node, _ in where], where[0][1], port,
+                                 {**extra, "TORCHRING_TIMEOUT": timeout})
 
     def _started(self, what: str) -> list[Any]:
         if not self._workers:

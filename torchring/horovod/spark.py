@@ -9,8 +9,8 @@ hvd.init() read before it calls fn(*args, **kwargs): RANK = the task's partition
 LOCAL_RANK and LOCAL_WORLD_SIZE among the tasks on the same executor host (ranks of a host
 consecutive or not: torchring groups them by host), MASTER_ADDR = rank 0's host and MASTER_PORT
 a port free there, agreed through the barrier's allGather. The results come back in rank order,
-as Horovod's do. A task that fails fails the barrier stage, which Spark retries whole
-(spark.task.maxFailures) or reports. Horovod runs fn in a process of its own; here it runs in the
+as Horovod's do. A task that fails fails the barrier stage, and Spark ends its other tasks; Spark
+does not retry a barrier result stage, so run() raises on the driver and may be called again. Horovod runs fn in a process of its own; here it runs in the
 Spark Python worker, so the environment is restored and torchring shut down when fn returns.
 """
 
@@ -18,19 +18,18 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from typing import Any, Callable, Iterator, Sequence
+
+from .._core import context as _context
+from ..launch.ssh import free_port
+from .cluster_env import rank_environments
 
 __all__ = ["run"]
 
 
 def _rank_env(rank: int, peers: list[dict[str, Any]], extra: dict[str, str]) -> dict[str, str]:
-    """Rank `rank`'s torchrun environment from every task's {"host", "port"} (rank order)."""
-    host = peers[rank]["host"]
-    same = [r for r, p in enumerate(peers) if p["host"] == host]
-    return {**extra, "RANK": str(rank), "WORLD_SIZE": str(len(peers)), "LOCAL_RANK": str(same.index(rank)),
-            "LOCAL_WORLD_SIZE": str(len(same)), "MASTER_ADDR": peers[0]["host"],
-            "MASTER_PORT": str(peers[0]["port"])}
+    """Rank `rank`'s torchrun environment from every task's {"host", "port"} (rank order; cluster_env.py)."""
+    return rank_environments([p["host"] for p in peers], peers[0]["host"], peers[0]["port"], extra)[rank]
 
 
 def _task(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
@@ -43,11 +42,7 @@ def _task(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
         ctx = BarrierTaskContext.get()
         rank = ctx.partitionId()
         host = ctx.getTaskInfos()[rank].address.rsplit(":", 1)[0]
-        port = 0
-        if rank == 0:
-            with socket.socket() as s:
-                s.bind(("", 0))
-                port = s.getsockname()[1]
+        port = free_port(local=True) if rank == 0 else 0
         peers = [json.loads(m) for m in ctx.allGather(json.dumps({"host": host, "port": port}))]
         mine = _rank_env(rank, peers, env)
         saved = {k: os.environ.get(k) for k in mine}
@@ -68,10 +63,8 @@ def _task(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
 
 def _shutdown_torchring() -> None:
     """Ends a torchring world fn left running (the Python worker may run the next task)."""
-    import torchring  # already imported if fn used it; cheap otherwise
-
-    if torchring.is_initialized():
-        torchring.shutdown()
+    if _context.is_initialized():
+        _context.shutdown()
 
 
 def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,

@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import tempfile
+from typing import Callable
 
 import torch
 
@@ -129,6 +130,15 @@ def train_failing(config: dict) -> None:
     _report(config["out"], rank, m.module.weight.flatten().tolist(), first=first)
 
 
+def each_mode(modes: list[str], out: str, run: Callable[[str, str], dict]) -> None:
+    """run(mode, OUT/MODE) for each mode in turn, its result written to OUT/MODE/result.json."""
+    for mode in modes:
+        os.makedirs(os.path.join(out, mode), exist_ok=True)
+        seen = run(mode, os.path.join(out, mode))
+        with open(os.path.join(out, mode, "result.json"), "w") as f:
+            json.dump(seen, f)
+
+
 def run_mode(mode: str, out: str, address: str | None) -> dict:
     """One job on the running Ray; what the driver saw."""
     seen: dict = {"mode": mode}
@@ -172,11 +182,7 @@ def main() -> None:
     else:
         ray.init(num_cpus=WORLD, include_dashboard=False, runtime_env={"env_vars": env})
     try:
-        for mode in modes:
-            os.makedirs(os.path.join(out, mode), exist_ok=True)
-            seen = run_mode(mode, os.path.join(out, mode), address)
-            with open(os.path.join(out, mode, "result.json"), "w") as f:
-                json.dump(seen, f)
+        each_mode(modes, out, lambda mode, where: run_mode(mode, where, address))
     finally:
         ray.shutdown()
 

@@ -13,7 +13,6 @@ test computes the same steps in one process.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -98,11 +97,7 @@ def main() -> None:
         builder = builder.config("spark.cores.max", str(WORLD)).config("spark.executor.cores", "1")
     spark = builder.getOrCreate()
     try:
-        for mode in modes:
-            os.makedirs(os.path.join(out, mode), exist_ok=True)
-            seen = run_mode(mode, os.path.join(out, mode), master is None)
-            with open(os.path.join(out, mode, "result.json"), "w") as f:
-                json.dump(seen, f)
+        job.each_mode(modes, out, lambda mode, where: run_mode(mode, where, master is None))
     finally:
         spark.stop()
 
