@@ -55,7 +55,8 @@ def _create(options: Any, pg_options: Any = None) -> Any:
         settings = Settings.from_env(os.environ)
         job_id = settings.job_id or _env.launcher_job_id(os.environ)  # torch gave the ranks: no detect()
         _recorder.arm(_build.load(), int(options.group_rank), size, settings.hostname or socket.gethostname(),
-                      settings.trace_directory(job_id), timeout or settings.timeout, settings.trace_frames)
+                      settings.trace_directory(job_id), timeout or settings.timeout, settings.trace_frames,
+                      settings.status_s, settings.data_wait)
     return backend
 
 

@@ -10,6 +10,9 @@ last round are gathered, and rank 0 writes the rank the others waited for most, 
 MODE link: 40 allreduces of 256 KiB (the test slows one host's link); rank 0 writes stragglers().
 MODE loader: a wrapped model trains an epoch from torchring.data's loader, rank 2's dataset three
 times slower per sample; rank 0 writes stragglers().
+MODE torch-loader: the same from torch's own DataLoader.
+MODE ddp-loader: the same with DDP on init_process_group("torchring") and torch's DataLoader
+(torchring.init() is never called: the launcher's end report names the straggler).
 """
 
 from __future__ import annotations
@@ -39,14 +42,22 @@ class SlowSamples(torch.utils.data.Dataset):
         return torch.full((16,), float(i % 7)), torch.tensor(float(i % 3))
 
 
-def train_from_a_loader(rank: int) -> None:
-    """An epoch of a wrapped model from torchring.data's loader; rank 2 loads 3x slower."""
+def train_from_a_loader(rank: int, kind: str = "torchring") -> None:
+    """An epoch of a model from a data loader, rank 2's 3x slower: `kind` torchring (a wrapped
+    model, torchring.data's loader), torch (a wrapped model, torch's DataLoader) or ddp (DDP on
+    the torchring backend, torch's DataLoader)."""
     import torchring.data
     torch.manual_seed(0)
-    model = torchring.wrap(nn.Linear(16, 1))
+    data = SlowSamples(3 * 8 * 30, 0.015 if rank == 2 else 0.005)
+    if kind == "torchring":
+        model = torchring.wrap(nn.Linear(16, 1))
+        loader = torchring.data.DataLoader(data, batch_size=8, num_workers=0)
+    else:
+        sampler = torch.utils.data.DistributedSampler(data, num_replicas=3, rank=rank, shuffle=False)
+        loader = torch.utils.data.DataLoader(data, batch_size=8, sampler=sampler)
+        model = (torchring.wrap(nn.Linear(16, 1)) if kind == "torch" else
+                 torch.nn.parallel.DistributedDataParallel(nn.Linear(16, 1)))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    loader = torchring.data.DataLoader(SlowSamples(3 * 8 * 30, 0.015 if rank == 2 else 0.005),
-                                       batch_size=8, num_workers=0)
     for x, y in loader:
         opt.zero_grad()
         nn.functional.mse_loss(model(x).squeeze(1), y).backward()
@@ -55,6 +66,12 @@ def train_from_a_loader(rank: int) -> None:
 
 def main(mode: str, out_dir: str) -> None:
     """Runs MODE (see the module's docstring)."""
+    if mode == "ddp-loader":
+        import torch.distributed as dist
+        dist.init_process_group("torchring")
+        train_from_a_loader(dist.get_rank(), "ddp")
+        dist.destroy_process_group()
+        return
     torchring.init()
     rank = torchring.rank()
     result: dict = {}
@@ -63,8 +80,8 @@ def main(mode: str, out_dir: str) -> None:
         for _ in range(40):
             torchring.allreduce(t)
         result = {"report": torchring.stragglers()}
-    elif mode == "loader":
-        train_from_a_loader(rank)
+    elif mode in ("loader", "torch-loader"):
+        train_from_a_loader(rank, "torchring" if mode == "loader" else "torch")
         result = {"report": torchring.stragglers()}
     elif mode == "sleep":
         t = torch.ones(1024)

@@ -112,7 +112,7 @@ def init(timeout: float | None = None, membership: tuple[int, int, int] | None =
     # After shutdown's registration: at exit the recorder dumps a pending failure first, while
     # the communicators it reads still live.
     _recorder.arm(engine, rank, world, host, settings.trace_directory(job_id), settings.timeout,
-                  settings.trace_frames, settings.status_s)
+                  settings.trace_frames, settings.status_s, settings.data_wait)
     try:
         _gpu_path.setup(engine, dist.PrefixStore(prefix, store) if store is not None else None, rank,
                         world, local_rank, host, settings, shrink_from)

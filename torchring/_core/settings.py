@@ -62,6 +62,7 @@ class Settings:
     trace_dir: str | None = None     # TORCHRING_TRACE_DIR: None = one per job under the temp dir
     status_s: float = 0.0            # TORCHRING_STATUS_S: seconds between status files (0: none)
     straggler_ms: float = 100.0      # TORCHRING_STRAGGLER_MS: persistent-lateness warning threshold (0: off)
+    data_wait: bool = True           # TORCHRING_DATA_WAIT: time torch DataLoader batches (the data phase)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Settings:
@@ -265,6 +266,7 @@ _VARIABLES = (
     _Variable("TORCHRING_STRAGGLER_MS", "straggler_ms", _milliseconds, "100"),
     _Variable("TORCHRING_TRACE_DIR", "trace_dir", text, "(torchring-trace/<job id> under the temporary directory)"),
     _Variable("TORCHRING_STATUS_S", "status_s", _interval, "0 (torchring-run: 1)"),
+    _Variable("TORCHRING_DATA_WAIT", "data_wait", switch, "1"),
 )
 # What cache_dir() reads.
 _PATH_VARIABLES = ("TORCHRING_CACHE_DIR", "XDG_CACHE_HOME", "HOME")

@@ -7,23 +7,25 @@ most 8, at least 1); persistent_workers and prefetch_factor=2 when there are wor
 pin_memory when CUDA is available; and a generator seeded from (seed, rank), so worker
 seeds (torch, random, numpy) differ between ranks and workers yet repeat run to run.
 
-The loader counts itself for the rank's status (torchring/trace/progress.py): each batch, its
-samples and how long the training loop waited for it, and where the epoch stands; a straggler
-report then tells a rank whose data loading is slow from one whose compute is.
+The loader counts where the epoch stands for the rank's status (torchring/trace/progress.py);
+its batches, their samples and how long the training loop waited for each are counted as every
+torch DataLoader's are (torchring/trace/data_wait.py, unless TORCHRING_DATA_WAIT=0), so that a
+straggler report tells a rank whose data loading is slow from one whose compute is.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import time
+import os
 from collections.abc import Iterator
 
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
 from .._core import context as _context, env as _env
-from ..trace import progress as _progress
+from .._core.settings import Settings
+from ..trace import data_wait as _data_wait, progress as _progress
 from .iterable import ShardedIterableDataset
 from .sampler import DistributedSampler
 
@@ -83,21 +85,15 @@ def DataLoader(dataset: Dataset, batch_size: int = 1, shuffle: bool = True, *,
 
 
 class CountingDataLoader(torch.utils.data.DataLoader):
-    """torch's DataLoader that notes each batch it hands out, and the wait for it, in the rank's progress."""
+    """torch's DataLoader that notes each epoch it starts in the rank's progress."""
 
     def __iter__(self) -> Iterator[Any]:
+        if not _data_wait.installed() and Settings.from_env(os.environ).data_wait:
+            _data_wait.install()  # its batches are timed as every torch DataLoader's
         batches = super().__iter__()
         try:
             length = len(self)
         except TypeError:  # an IterableDataset without a length
             length = 0
         _progress.epoch_started(length)
-        default = self.batch_size or 1
-        while True:
-            start = time.perf_counter_ns()
-            try:
-                batch = next(batches)
-            except StopIteration:
-                return
-            _progress.batch(time.perf_counter_ns() - start, _progress.batch_size_of(batch, default))
-            yield batch
+        return batches

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import dump as _dump, status as _status
+from . import data_wait as _data_wait, dump as _dump, status as _status
 
 _log = logging.getLogger("torchring")
 _FAILURE = b"F"
@@ -73,11 +73,14 @@ _armed: _Armed | None = None
 
 
 def arm(engine: Any, rank: int, world: int, host: str, directory: str | os.PathLike[str],
-        timeout_s: float, frames: bool = True, status_s: float = 0.0) -> None:
+        timeout_s: float, frames: bool = True, status_s: float = 0.0, data_wait: bool = True) -> None:
     """Starts dumping this rank's flight records to `directory` on failures and signals
     (idempotent); `frames`: operations also record the Python line that issued them;
-    `status_s` > 0: the rank's status file is written there that often."""
+    `status_s` > 0: the rank's status file is written there that often; `data_wait`: torch
+    DataLoader batches are timed (data_wait.py)."""
     global _armed
+    if data_wait:
+        _data_wait.install()
     # Registered again on every call: at exit this runs before whatever registered since
     # (torchring.shutdown), while the communicators still live.
     atexit.unregister(_at_exit)
