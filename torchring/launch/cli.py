@@ -367,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.update(env)  # torch's agent starts the ranks with this process's environment
     chosen = bool(os.environ.get(_trace_report.VARIABLE, "").strip())
     trace_dir = _trace_report.choose_directory(os.environ)
-    world = args.num_proc or sum(n for _, n in (args.remote_hosts or []))
+    # An elastic job's world changes: the table takes it from the ranks' newest status (0).
+    world = 0 if _elastic(args) else args.num_proc or sum(n for _, n in (args.remote_hosts or []))
     job = {"pid": os.getpid(), "trace_dir": trace_dir, "world": world,
            "command": [args.script, *args.script_args]}
     _status.register(trace_dir, world, job["command"])
@@ -391,13 +392,18 @@ def _launch(parser: argparse.ArgumentParser, args: argparse.Namespace, env: dict
     if _elastic(args):  # workers supervised here: a failed one does not stop the others
         plan = _resolve_elastic(parser, args)
         plan.env.update(env)
+        plan.trace_dir = trace_dir
         fixed = plan.fixed_slots or {}
         here = sum(n for h, n in fixed.items() if _is_this_host(h)) if fixed else plan.max_np
         threads = _threads.set_rank_threads(os.environ, min(plan.max_np, max(here, 1)))
         if threads:
             print(threads, file=sys.stderr)
         _build.load()
-        return _elastic_launch.run(plan, _is_this_host)
+        code = _elastic_launch.run(plan, _is_this_host)
+        said = _trace_report.report(trace_dir) if code != 0 else ""  # every host's dumps are here now
+        if said:
+            print(said, file=sys.stderr)
+        return code
     if args.remote_hosts:  # other hosts: one torch agent per host, over ssh
         _build.load()
         code = _ssh_launch.launch_args(args, _is_this_host, _command(args.script, list(args.script_args)))

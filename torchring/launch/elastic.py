@@ -25,7 +25,10 @@ re-form. Here the launcher supervises the workers itself:
   more slots start newcomers there; fewer, or a host gone from the list, stop its newest
   workers, which the others see as lost ranks.
 - Other hosts' workers start over ssh (torchring-run -H's ssh command and options), each
-  under torchring/launch/worker.py, which stops it when its lifeline closes. The workers reach
+  under torchring/launch/worker.py, which stops it when its lifeline closes and relays its
+  status files and dumps (written on its host, in a directory of its own under the run's trace
+  directory) back over ssh (relay.py), so --status, the live view, the end-of-job report and a
+  failed job's diagnosis cover every host, as with -H. The workers reach
   the store at this host's address on the route to the first other host known at the start; so a job started on this host alone cannot take
   in other hosts later (the launcher says so and leaves them out).
 - Fewer than --min-np workers alive, for --elastic-timeout seconds: every worker is stopped and
@@ -53,7 +56,7 @@ from datetime import timedelta
 from typing import Any, Callable
 
 from .._core import context as _context
-from . import remote_env as _remote_env, ssh as _ssh
+from . import relay as _relay, remote_env as _remote_env, ssh as _ssh
 from .output import prefix_chunk
 
 __all__ = ["ElasticPlan", "parse_slots", "placement", "run"]
@@ -77,6 +80,7 @@ class ElasticPlan:
     ssh_identity: str | None = None          # --ssh-identity-file
     env_deny: tuple[str, ...] = ()           # --env-deny: not given to other hosts' workers
     env_keep: frozenset[str] = frozenset()   # -x NAME: given to them even where denied
+    trace_dir: str | None = None             # the run's TORCHRING_TRACE_DIR: other hosts' files relayed here
 
 
 def parse_slots(text: str) -> dict[str, int]:
@@ -171,14 +175,20 @@ class _Driver:
                       # takes the rank and size the members give it.
                       "WORLD_SIZE": str(index + 1 if newcomer else world),
                       "LOCAL_WORLD_SIZE": str(local + 1 if newcomer else self.launched.get(host, 1))}
+        relayed = None
         if here:
             proc = subprocess.Popen(self.plan.command, env={**os.environ, **self.plan.env, **worker_env},
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         else:
+            relay: list[str] = []
+            if self.plan.trace_dir:  # its own directory there: it relays only its own files
+                worker_env["TORCHRING_TRACE_DIR"] = os.path.join(self.plan.trace_dir, f"w{index}")
+                relay = [f"--relay={worker_env['TORCHRING_TRACE_DIR']}"]
+                relayed = _relay.Receiver(self.plan.trace_dir)
             env = {**_remote_env.remote_env({**os.environ, **self.plan.env}, self.plan.env_deny, self.plan.env_keep),
                    **worker_env}
-            remote = _ssh.remote_command([sys.executable, "-u", "-m", "torchring.launch.worker", "--env-stdin", "--",
-                                         *self.plan.command], _remote_env.bootstrap_env(env), os.getcwd())
+            remote = _ssh.remote_command([sys.executable, "-u", "-m", "torchring.launch.worker", "--env-stdin", *relay,
+                                          "--", *self.plan.command], _remote_env.bootstrap_env(env), os.getcwd())
             argv = _ssh.client_argv(host, remote, port=self.plan.ssh_port, identity=self.plan.ssh_identity)
             proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     start_new_session=True)
@@ -186,19 +196,30 @@ class _Driver:
                 _remote_env.send(proc.stdin, env)  # type: ignore[arg-type]
             except OSError:
                 pass  # ssh is already gone: its exit code says why
-        reader = threading.Thread(target=self._copy, args=(proc, f"[w{index}]: ".encode()), daemon=True)
+        reader = threading.Thread(target=self._copy, args=(proc, f"[w{index}]: ".encode(), relayed), daemon=True)
         reader.start()
         self.workers.append(_Worker(index, host, proc, reader))
         if newcomer:
             self._say(f"started worker w{index} on {host} (pid {proc.pid}); it joins at the members' next commit")
 
-    def _copy(self, proc: subprocess.Popen, prefix: bytes) -> None:
-        at_start = True
+    def _copy(self, proc: subprocess.Popen, prefix: bytes, relayed: _relay.Receiver | None) -> None:
+        """Copies a worker's output, each line after `prefix`; `relayed`: the files a worker on
+        another host sends in it are taken out (in whole lines) and written."""
+        at_start, pending = True, b""
         out = sys.stdout.buffer
         for chunk in iter(lambda: proc.stdout.read1(65536), b""):
-            text, at_start = prefix_chunk(chunk, prefix, at_start)
+            if relayed is not None:
+                pending += chunk
+                cut = max(pending.rfind(b"\n"), pending.rfind(b"\r")) + 1
+                chunk, pending = relayed.take(pending[:cut]), pending[cut:]
+            if chunk:
+                text, at_start = prefix_chunk(chunk, prefix, at_start)
+                with self.out_lock:
+                    out.write(text)
+                    out.flush()
+        if pending:
             with self.out_lock:
-                out.write(text)
+                out.write(prefix_chunk(pending, prefix, at_start)[0])
                 out.flush()
 
     def _say(self, message: str) -> None:
@@ -357,3 +378,5 @@ def run(plan: ElasticPlan, is_this_host: Callable[[str], bool]) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        for worker in driver.workers:  # stopped: their last output and relayed files, in full
+            worker.reader.join(timeout=10)

@@ -29,7 +29,7 @@ from typing import Any
 
 from . import dump as _dump, progress as _progress
 
-__all__ = ["PREFIX", "alive", "phases", "measure", "write", "read", "lines", "records", "Rates"]
+__all__ = ["PREFIX", "alive", "phases", "measure", "write", "read", "current_world", "lines", "records", "Rates"]
 
 PREFIX = "status_rank_"
 
@@ -114,7 +114,8 @@ def write(directory: str | os.PathLike[str], status: dict[str, Any]) -> Path:
 
 
 def read(directory: str | os.PathLike[str]) -> dict[int, dict[str, Any]]:
-    """Every rank's latest status in `directory`, by rank (a damaged file is left out)."""
+    """Every rank's latest status in `directory`, by rank (a damaged file is left out), of the
+    newest world where an elastic job re-formed (current_world)."""
     found: dict[int, dict[str, Any]] = {}
     for path in Path(directory).glob(f"{PREFIX}*.json"):
         try:
@@ -122,7 +123,23 @@ def read(directory: str | os.PathLike[str]) -> dict[int, dict[str, Any]]:
             found[int(status["rank"])] = status
         except (OSError, ValueError, KeyError, TypeError):
             continue
-    return found
+    return current_world(found)
+
+
+def current_world(statuses: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """`statuses` less those of an earlier world of an elastic job that re-formed: a rank past
+    the newest status's world size, and a process's file under a rank it held before (the
+    process has written a newer one under its new rank). A job whose world never changed
+    keeps every file (its dead ranks among them)."""
+    if len({s.get("world") for s in statuses.values()}) <= 1:
+        return statuses
+    newest = max(statuses.values(), key=lambda s: s.get("time_ns", 0))
+    latest: dict[tuple[Any, Any], int] = {}
+    for s in statuses.values():
+        key = (s.get("host"), s.get("pid"))
+        latest[key] = max(latest.get(key, 0), s.get("time_ns", 0))
+    return {r: s for r, s in statuses.items()
+            if r < newest.get("world", 0) and s.get("time_ns", 0) == latest[(s.get("host"), s.get("pid"))]}
 
 
 def alive(pid: int) -> bool:

@@ -8,7 +8,8 @@ tests/support/_elastic_job.py (final weights exact iff every sample was applied 
 - a host dies (every process of it, sshd too): the launcher reports its ssh connection's end,
   the others re-form;
 - a host joins the list while two ranks share trh1: the newcomer starts over ssh and is let in
-  at the members' next commit.
+  at the members' next commit; before it does, torchring-run --status on the launcher's host
+  shows both ranks of trh1 (their workers relay their status files over ssh).
 
 The job is test_elastic_run.py's (``python test_elastic_run.py OUT HOW``)."""
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import glob
 import json
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -96,6 +98,15 @@ def test_a_host_added_by_discovery_joins_at_the_next_commit(elastic_hosts, tmp_p
     hs, keys = elastic_hosts
     proc = _launch(hs, keys, tmp_path, "hold", "trh1:2\n", "-np", "2")
     _wait_for(tmp_path / "holding", proc)  # both ranks of trh1 commit again and again at step 3
+    out, deadline = "", time.monotonic() + 30
+    while time.monotonic() < deadline:
+        out = hs[0].run(_launcher() + ["--status"], timeout=30, capture_output=True, text=True).stdout
+        ranks = [line for line in out.splitlines() if line.startswith("  rank ")]
+        if "2 of 2 ranks report" in out and len(ranks) == 2 and all("(trh1, pid " in r for r in ranks):
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError(f"--status on trh0 never showed trh1's two ranks:\n{out}")
     (tmp_path / "slots").write_text("trh1:2\ntrh2:1\n")
     code, output = _finish(proc)
     assert code == 0, output[-4000:]

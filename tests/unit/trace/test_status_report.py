@@ -161,3 +161,17 @@ def test_a_status_file_is_replaced_whole(tmp_path: Path) -> None:
     (tmp_path / "status_rank_1.json").write_text("{not json")
     assert list(status.read(tmp_path)) == [0]
 
+
+
+def test_after_an_elastic_re_form_the_table_shows_the_newest_world(tmp_path: Path) -> None:
+    # World 4 shrank to 3: the process that was rank 3 is rank 1 now (pid 500), rank 1's old
+    # process is gone; an earlier world's file is left for rank 3 and for pid 500 as rank 3.
+    write_all(tmp_path, [rank_status(0, world=3, pid=400, age_s=0.3), rank_status(1, world=3, pid=500, age_s=0.2),
+                         rank_status(2, world=3, pid=600, age_s=0.4),
+                         rank_status(3, world=4, pid=500, age_s=5.0)])
+    kept = status.read(tmp_path)
+    assert sorted(kept) == [0, 1, 2] and kept[1]["pid"] == 500, kept
+    lines = status.lines(tmp_path, now_ns=NOW)
+    assert lines[0].endswith(f"3 of 3 ranks report ({tmp_path})") and len(lines) == 4, lines
+    # A world that never changed keeps a rank whose file is old: it is the one to look at.
+    assert sorted(status.current_world({0: rank_status(0), 1: rank_status(1, age_s=60.0)})) == [0, 1]
