@@ -81,8 +81,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--status", type=int, nargs="?", const=0, default=None, metavar="PID",
                    help="print the running jobs' status (or the job whose launcher is PID) and exit")
     p.add_argument("--live", type=_at_least(0.5), default=None, metavar="SECONDS",
-                   help="print the ranks' status every SECONDS while the job runs (kill -USR1 this "
-                        "launcher prints it once)")
+                   help="print the ranks' status every SECONDS while the job runs, and at once on "
+                        "Enter when stdin is a terminal (kill -USR1 this launcher prints it once)")
     h = p.add_argument_group("horovodrun's flags")
     h.add_argument("-H", "--hosts", default=None,
                    help="host:slots,... in rank order; other hosts start over ssh (docs/multihost_launch.md)")
@@ -373,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
            "command": [args.script, *args.script_args]}
     _status.register(trace_dir, world, job["command"])
     _status.answer_sigusr1(job)
-    live = _status.LiveView(job, args.live).start() if args.live else None
+    keys = sys.stdin if args.live and sys.stdin is not None and sys.stdin.isatty() else None
+    live = _status.LiveView(job, args.live, keys=keys).start() if args.live else None
     try:
         code = _launch(parser, args, env, trace_dir)
     finally:

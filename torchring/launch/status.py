@@ -12,7 +12,9 @@ world size) for as long as it runs, so that
   intervals);
 - ``kill -USR1 <torchring-run's pid>`` prints the same table in the job's own output;
 - ``--live S`` prints it every S seconds while the job runs, plain lines that stay clean in a
-  log, with a progress bar for the epoch when torchring.data's loader is in use;
+  log, with a progress bar for the epoch when torchring.data's loader is in use; when the
+  launcher's standard input is a terminal, pressing Enter prints it at once (only with --live:
+  without it the launcher leaves the terminal's input to the ranks, for pdb and the like);
 - at the end of a job that succeeded, when one rank made the others wait a noticeable share of
   the run, the straggler report (torchring/trace/stragglers.py) is printed, with
   the phase it was late in.
@@ -95,29 +97,44 @@ def query(pid: int | None = None, out: TextIO = sys.stdout) -> int:
 
 
 class LiveView:
-    """--live S: the job's table every S seconds, as plain lines, until stop()."""
+    """--live S: the job's table every S seconds, as plain lines, until stop(); with `keys`
+    (a file, the launcher's terminal), at once on each line read from it (Enter)."""
 
-    def __init__(self, job: dict[str, Any], interval_s: float, out: TextIO = sys.stderr) -> None:
-        self._job, self._interval, self._out = job, interval_s, out
+    def __init__(self, job: dict[str, Any], interval_s: float, out: TextIO = sys.stderr,
+                 keys: TextIO | None = None) -> None:
+        self._job, self._interval, self._out, self._keys = job, interval_s, out, keys
         self._stop = threading.Event()
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="torchring-run-live", daemon=True)
 
     def start(self) -> LiveView:
         """Starts printing."""
         self._thread.start()
+        if self._keys is not None:
+            threading.Thread(target=self._read_keys, name="torchring-run-keys", daemon=True).start()
         return self
 
     def stop(self) -> None:
         """Stops printing."""
         self._stop.set()
 
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval):
+    def _print(self) -> None:
+        with self._lock:
             try:
                 print("\n".join(_status.lines(self._job["trace_dir"], self._job.get("world"))),
                       file=self._out, flush=True)
             except Exception as e:  # the view must not end the launcher
                 print(f"torchring-run: live view: {e}", file=self._out)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self._print()
+
+    def _read_keys(self) -> None:
+        for _ in iter(self._keys.readline, ""):  # type: ignore[union-attr]
+            if self._stop.is_set():
+                return
+            self._print()
 
 
 def answer_sigusr1(job: dict[str, Any], out: TextIO = sys.stderr) -> None:

@@ -25,11 +25,11 @@ def line_of(marker: str) -> str:
     raise AssertionError(f"no line marked {marker!r} in {JOB}")
 
 
-def start(mode: str, tmp_path: Path, *extra: str) -> subprocess.Popen[str]:
+def start(mode: str, tmp_path: Path, *extra: str, stdin: int | None = None) -> subprocess.Popen[str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1", TORCHRING_TIMEOUT="120", TMPDIR=str(tmp_path))
     return subprocess.Popen([sys.executable, "-m", "torchring.run", "-np", "3", *extra, sys.executable, str(JOB),
                              mode, str(tmp_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True, stdin=stdin)
 
 
 def status(tmp_path: Path, *args: str) -> tuple[str, float]:
@@ -100,3 +100,29 @@ def test_live_view_and_the_end_report_name_the_rank_whose_loader_is_slow(tmp_pat
     first = lines[at + 1]
     assert first.startswith("torchring-run:   rank 2 ("), output
     assert "late in data loading" in first, first
+
+
+def test_enter_in_the_launchers_terminal_prints_the_live_table_at_once(tmp_path: Path) -> None:
+    import pty
+    import selectors
+
+    master, slave = pty.openpty()  # the launcher's stdin is a terminal; its output is read here
+    job = start("hang", tmp_path, "--live", "600", stdin=slave)
+    os.close(slave)
+    output = ""
+    try:
+        wait_for(tmp_path, lambda o: "3 of 3 ranks report" in o and "in allreduce #6" in o)
+        os.write(master, b"\n")  # the first periodic table is 600 s away
+        os.set_blocking(job.stdout.fileno(), False)
+        selector = selectors.DefaultSelector()
+        selector.register(job.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + 10
+        while "torchring status at" not in output and time.monotonic() < deadline:
+            if selector.select(timeout=0.5):
+                output += job.stdout.read() or ""
+        assert "torchring status at" in output and "3 of 3 ranks report" in output, output
+        assert "in allreduce #6" in rank_line(output, 0), output
+    finally:
+        os.killpg(job.pid, signal.SIGTERM)
+        job.communicate(timeout=60)
+        os.close(master)
