@@ -50,18 +50,25 @@ bool cpuSetsSuffice(const std::vector<std::vector<int>>& cpuSets) {
 }
 
 // The staging-store rule (core/stores.h) on given timings: segment i, which copies `bytes` in,
-// takes cached_seconds[i] or streaming_seconds[i], in the mode the chooser picks; returns
-// the modes picked (True: streaming).
+// takes cached_seconds[i] or streaming_seconds[i], in the mode the chooser picks, or
+// cold_cached_seconds[i] (when given) for cached stores into a staging buffer whose last
+// writes streamed (segments alternate between two buffers); returns the modes picked (True:
+// streaming).
 std::vector<bool> storeChoices(const std::vector<double>& cachedSeconds, const std::vector<double>& streamingSeconds,
-                               size_t bytes) {
-  TORCH_CHECK_VALUE(cachedSeconds.size() == streamingSeconds.size(),
-                    "_store_choices: give one cached and one streaming time per copy");
+                               size_t bytes, const std::vector<double>& coldCachedSeconds) {
+  TORCH_CHECK_VALUE(cachedSeconds.size() == streamingSeconds.size() &&
+                        (coldCachedSeconds.empty() || coldCachedSeconds.size() == cachedSeconds.size()),
+                    "_store_choices: give one cached and one streaming time per copy (and one cold "
+                    "cached time, when any)");
   StoreChooser chooser;
   std::vector<bool> picked;
+  bool streamedLast[2] = {false, false};  // how each staging buffer was last written
   for (size_t i = 0; i < cachedSeconds.size(); ++i) {
     const bool stream = chooser.streaming(bytes);
     picked.push_back(stream);
-    chooser.record(stream, bytes, stream ? streamingSeconds[i] : cachedSeconds[i]);
+    const bool cold = !stream && streamedLast[i % 2] && !coldCachedSeconds.empty();
+    chooser.record(stream, bytes, stream ? streamingSeconds[i] : cold ? coldCachedSeconds[i] : cachedSeconds[i]);
+    streamedLast[i % 2] = stream;
   }
   return picked;
 }
@@ -89,7 +96,8 @@ void bindTesting(py::module_& m) {
   // Shared memory's placement and spin rules (transport/shm/group.cpp).
   m.def("_staging_shifts", &ShmGroup::stagingShifts, py::arg("page_offsets"));
   m.def("_cpu_sets_suffice", &cpuSetsSuffice, py::arg("cpu_sets"));
-  m.def("_store_choices", &storeChoices, py::arg("cached_seconds"), py::arg("streaming_seconds"), py::arg("bytes"));
+  m.def("_store_choices", &storeChoices, py::arg("cached_seconds"), py::arg("streaming_seconds"), py::arg("bytes"),
+        py::arg("cold_cached_seconds") = std::vector<double>());
   m.def("_stream_copy", &streamCopyTensor, py::arg("dst"), py::arg("src"));
 }
 

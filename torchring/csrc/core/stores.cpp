@@ -59,7 +59,9 @@ void StoreChooser::record(bool streamed, size_t copyBytes, double seconds) {
     ++sinceProbe_;
     return;
   }
-  sinceProbe_ = 0;  // a probe
+  if (++probed_ <= kProbeWarm) return;  // a probe's first segments warm its buffers
+  sinceProbe_ = 0;  // the probe's last segment: the verdict
+  probed_ = 0;
   if (perByte < kSwitch * perByte_) {
     current_ = streamed;
     perByte_ = perByte;

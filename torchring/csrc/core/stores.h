@@ -38,12 +38,17 @@ enum class StorePolicy : int { AUTO = 0, CACHED = 1, STREAMING = 2 };
 // of whole segments per byte copied in (copy in, reduce, copy out, and the waits between:
 // streaming stores make the copy in cheaper when the cores are far apart, and the peers' reads
 // of the staged data dearer when they are close, so only the whole segment tells). The current
-// mode's time per byte is a moving average of its segments; every probeEvery_ segments one
-// uses the other mode (every rank of the host probes on the same segment while their choosers
-// agree, as they run the same collectives). A probe faster than kSwitch of the average switches
+// mode's time per byte is a moving average of its segments; every probeEvery_ segments a probe
+// runs kProbeSegments segments in the other mode (every rank of the host probes on the same
+// segments while their choosers agree, as they run the same collectives) and is judged by its
+// last: the first kProbeWarm segments of a probe write staging buffers (segments alternate
+// between two) whose lines the other mode left cold, in memory rather than in a cache after
+// streaming stores, so a cached probe judged on its first segment lost to streaming stores
+// even where cached ones are twice as fast once warm (1 MiB on 2 vCPUs: 58-72 us cached, 136-151
+// streaming, 117-121 for the chooser then). A probe faster than kSwitch of the average switches
 // modes; a probe that loses doubles probeEvery_ (up to kMaxProbe), so the loser costs at most
-// one segment in kMaxProbe once the choice is settled, and a host that moves the vCPUs is
-// noticed within kMaxProbe segments. A pure class: tests feed it timings (bindings).
+// kProbeSegments segments in kMaxProbe once the choice is settled, and a host that moves the
+// vCPUs is noticed within kMaxProbe segments. A pure class: tests feed it timings (bindings).
 class StoreChooser {
  public:
   explicit StoreChooser(StorePolicy policy = StorePolicy::AUTO) : policy_(policy) {}
@@ -53,7 +58,7 @@ class StoreChooser {
   // That segment, in the mode streaming() returned, took `seconds`; ignored under kMinBytes.
   void record(bool streamed, size_t copyBytes, double seconds);
 
-  static constexpr uint64_t kFirstProbe = 16, kMaxProbe = 1024;
+  static constexpr uint64_t kFirstProbe = 16, kMaxProbe = 1024, kProbeSegments = 3, kProbeWarm = 2;
   static constexpr double kSwitch = 0.8;
   // Segments that copy in less than this use ordinary stores and are not counted (their time
   // is mostly the synchronizations, and clock noise).
@@ -65,6 +70,7 @@ class StoreChooser {
   double perByte_ = 0;        // moving average of the current mode's seconds per byte; 0 = none yet
   uint64_t sinceProbe_ = 0;   // timed segments in the current mode since the last probe
   uint64_t probeEvery_ = kFirstProbe;
+  uint64_t probed_ = 0;       // segments of the probe under way timed so far
 };
 
 }  // namespace torchring
