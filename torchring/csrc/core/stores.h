@@ -43,9 +43,8 @@ enum class StorePolicy : int { AUTO = 0, CACHED = 1, STREAMING = 2 };
 // segments while their choosers agree, as they run the same collectives) and is judged by its
 // last: the first kProbeWarm segments of a probe write staging buffers (segments alternate
 // between two) whose lines the other mode left cold, in memory rather than in a cache after
-// streaming stores, so a cached probe judged on its first segment lost to streaming stores
-// even where cached ones are twice as fast once warm (1 MiB on 2 vCPUs: 58-72 us cached, 136-151
-// streaming, 117-121 for the chooser then). A probe faster than kSwitch of the average switches
+// streaming stores, so a cached probe judged on its first segment could lose to streaming
+// stores even where warm cached ones are faster. A probe faster than kSwitch of the average switches
 // modes; a probe that loses doubles probeEvery_ (up to kMaxProbe), so the loser costs at most
 // kProbeSegments segments in kMaxProbe once the choice is settled, and a host that moves the
 // vCPUs is noticed within kMaxProbe segments. A pure class: tests feed it timings (bindings).
