@@ -378,5 +378,6 @@ def run(plan: ElasticPlan, is_this_host: Callable[[str], bool]) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-        for worker in driver.workers:  # stopped: their last output and relayed files, in full
-            worker.reader.join(timeout=10)
+        deadline = time.monotonic() + 10  # stopped: their last output and relayed files, in full
+        for worker in driver.workers:
+            worker.reader.join(timeout=max(0.0, deadline - time.monotonic()))
