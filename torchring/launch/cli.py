@@ -388,6 +388,15 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def _said_on_failure(code: int, trace_dir: str) -> int:
+    """`code`, after printing the diagnosis of the dumps in `trace_dir` when the job failed (the
+    other hosts' dumps have been relayed there by then)."""
+    said = _trace_report.report(trace_dir) if code != 0 else ""
+    if said:
+        print(said, file=sys.stderr)
+    return code
+
+
 def _launch(parser: argparse.ArgumentParser, args: argparse.Namespace, env: dict[str, str], trace_dir: str) -> int:
     """Runs the job `args` ask for (elastic, several hosts, or this host) and returns its exit code."""
     if _elastic(args):  # workers supervised here: a failed one does not stop the others
@@ -400,18 +409,11 @@ def _launch(parser: argparse.ArgumentParser, args: argparse.Namespace, env: dict
         if threads:
             print(threads, file=sys.stderr)
         _build.load()
-        code = _elastic_launch.run(plan, _is_this_host)
-        said = _trace_report.report(trace_dir) if code != 0 else ""  # every host's dumps are here now
-        if said:
-            print(said, file=sys.stderr)
-        return code
+        return _said_on_failure(_elastic_launch.run(plan, _is_this_host), trace_dir)
     if args.remote_hosts:  # other hosts: one torch agent per host, over ssh
         _build.load()
-        code = _ssh_launch.launch_args(args, _is_this_host, _command(args.script, list(args.script_args)))
-        said = _trace_report.report(trace_dir) if code != 0 else ""  # every host's dumps are here now
-        if said:
-            print(said, file=sys.stderr)
-        return code
+        return _said_on_failure(
+            _ssh_launch.launch_args(args, _is_this_host, _command(args.script, list(args.script_args))), trace_dir)
     threads = _threads.set_rank_threads(os.environ, args.num_proc)
     if threads:
         print(threads, file=sys.stderr)

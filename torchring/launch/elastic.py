@@ -57,7 +57,7 @@ from typing import Any, Callable
 
 from .._core import context as _context
 from . import relay as _relay, remote_env as _remote_env, ssh as _ssh
-from .output import prefix_chunk
+from .output import prefix_chunk, whole_lines
 
 __all__ = ["ElasticPlan", "parse_slots", "placement", "run"]
 
@@ -209,9 +209,8 @@ class _Driver:
         out = sys.stdout.buffer
         for chunk in iter(lambda: proc.stdout.read1(65536), b""):
             if relayed is not None:
-                pending += chunk
-                cut = max(pending.rfind(b"\n"), pending.rfind(b"\r")) + 1
-                chunk, pending = relayed.take(pending[:cut]), pending[cut:]
+                lines, pending = whole_lines(pending + chunk)
+                chunk = relayed.take(lines) if lines else b""
             if chunk:
                 text, at_start = prefix_chunk(chunk, prefix, at_start)
                 with self.out_lock:

@@ -26,9 +26,15 @@ import torch.distributed.run as torchrun
 from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, LogsDest, Std
 from torch.distributed.launcher.api import elastic_launch
 
-__all__ = ["prefix_chunk", "rank_label", "Console", "RankOutput", "rank_output", "launch"]
+__all__ = ["whole_lines", "prefix_chunk", "rank_label", "Console", "RankOutput", "rank_output", "launch"]
 
 _POLL_S = 0.05
+
+
+def whole_lines(pending: bytes) -> tuple[bytes, bytes]:
+    """(the whole lines of `pending`, ended by b"\\n" or b"\\r"; the unfinished rest)."""
+    cut = max(pending.rfind(b"\n"), pending.rfind(b"\r")) + 1
+    return pending[:cut], pending[cut:]
 
 
 def prefix_chunk(data: bytes, prefix: bytes, at_start: bool) -> tuple[bytes, bool]:

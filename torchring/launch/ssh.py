@@ -158,13 +158,11 @@ def _pump(source: IO[bytes], sink: IO[bytes], relayed: _relay.Receiver | None = 
     while chunk := source.read1(65536):  # type: ignore[attr-defined]
         if console.broken:
             continue
-        pending += chunk
-        cut = max(pending.rfind(b"\n"), pending.rfind(b"\r")) + 1
-        if cut:
-            text = pending[:cut] if relayed is None else relayed.take(pending[:cut])
-            if text:  # all of it may have been relayed files
-                write(text)
-            pending = pending[cut:]
+        text, pending = _output.whole_lines(pending + chunk)
+        if text and relayed is not None:
+            text = relayed.take(text)
+        if text:  # all of it may have been relayed files
+            write(text)
     if pending:
         write(pending)
 
