@@ -9,15 +9,28 @@
 // its own tensor from its cache and the peer's staging lines from the peer's core). That is
 // what any one-sync allreduce of memory the peer cannot see must do; torchring adds the header
 // in the same lines, the checks and the Python call. Variants per block of kIters iterations:
-// "full" (copy-in + sync + reduce), "sync" (the stamp round only), "no-copy" (sync + reduce
-// reading the peer's tensor in place, which nobody writes: lines stay shared in both caches, a
-// lower bound no in-place allreduce reaches, since its result rewrites the tensor every call),
-// "copy-only" (copy-in + sync: full less the reduce), "full-nt" (full with the copy-in's
-// stores non-temporal). full - copy-only is the price of reading 64 KiB the other core has
-// just written; every allreduce of fresh data pays it for the peer's BYTES at world 2. The summary gives each variant's
-// median and 10th/90th percentile per-iteration time over blocks run in random order.
+//   full            copy-in + sync + reduce
+//   sync            the stamp round only
+//   no-copy         sync + reduce reading the peer's tensor in place, which nobody writes: lines
+//                   stay shared in both caches, a lower bound no in-place allreduce reaches,
+//                   since its result rewrites the tensor every call
+//   copy-only       copy-in + sync: full less the reduce
+//   full-nt         full with the copy-in's stores non-temporal
+//   pull-movsb      full, but the peer's staging is first copied into a local buffer by
+//                   `rep movsb`, then reduced from there (pull-memcpy: the same with memcpy)
+//   two-shot-movsb  reduce-scatter + allgather: stage the half the peer reduces, reduce own
+//                   half, publish it, sync again, copy the peer's half of the result (movsb)
+//   movsb-in-add    full with the copy-in by `rep movsb` (movsb-in-pull: and pulled as above;
+//                   nt-in-pull: streaming copy-in, pulled)
+//   pipe8, pipe8-nt eight chunks, each copied in (cached or streaming), published with a stamp
+//                   of its own and reduced as soon as the peer's chunk is there
+//   clwb, clflushopt full, the copy-in's lines written back (CLWB) or flushed (CLFLUSHOPT)
+//                   before the sync, so the peer reads them from memory, not from this core
+// full - copy-only is the price of reading BYTES the other core has just written; every
+// allreduce of fresh data pays it for the peer's BYTES at world 2. The summary gives each
+// variant's median and 10th/90th percentile per-iteration time over blocks run in random order.
 //
-//   gcc -O2 -mavx2 -pthread benchmarks/probes/oneshot_probe.c -o /tmp/oneshot_probe
+//   gcc -O2 -mavx2 -mclwb -mclflushopt -pthread benchmarks/probes/oneshot_probe.c -o /tmp/oneshot_probe
 //   /tmp/oneshot_probe [DURATION_S=20] [BYTES=65536]
 #define _GNU_SOURCE
 #include <immintrin.h>
@@ -31,14 +44,17 @@
 
 #include "timer.h"
 
-enum { kVariants = 5, kIters = 2000, kMaxBlocks = 100000 };
-static const char* kNames[kVariants] = {"full", "sync", "no-copy", "copy-only", "full-nt"};
+enum { kVariants = 15, kIters = 2000, kMaxBlocks = 100000 };
+static const char* kNames[kVariants] = {"full", "sync", "no-copy", "copy-only", "full-nt", "pull-movsb", "two-shot-movsb", "pull-memcpy", "movsb-in-add", "movsb-in-pull", "nt-in-pull", "pipe8", "pipe8-nt", "clwb", "clflushopt"};
 
 static size_t bytes;
 static float* tensor[2];
 static float* out[2];
+static float* tmp[2];
+static float* result[2][2];
 static float* staging[2][2];
-static _Alignas(64) atomic_ulong stamp[2][8];  // stamp[r][0] on its own cache line
+static _Alignas(64) atomic_ulong stamp[2][8];        // stamp[r][0] on its own cache line
+static _Alignas(64) atomic_ulong cstamp[2][64][8];  // pipe8's per-chunk stamps, each on its own line
 static atomic_int variant, go[2], done[2];
 static double blockTime[kVariants][kMaxBlocks];
 static int blocks[kVariants];
@@ -54,6 +70,10 @@ static void add(float* dst, const float* a, const float* b, size_t n) {
 static void copyStream(float* dst, const float* src, size_t n) {
   for (size_t i = 0; i < n; i += 8) _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
   _mm_sfence();
+}
+
+static void movsb(void* dst, const void* src, size_t n) {
+  __asm__ volatile("rep movsb" : "+D"(dst), "+S"(src), "+c"(n) : : "memory");
 }
 
 static void* rank(void* arg) {
@@ -80,12 +100,50 @@ static void* rank(void* arg) {
         while (atomic_load_explicit(&stamp[peer][0], memory_order_acquire) < iter) _mm_pause();
         continue;
       }
-      if (v == 0 || v == 3) memcpy(staging[me][slot], tensor[me], bytes);
+      if (v == 11 || v == 12) {  // 8 chunks: copy chunk c in, publish it, add the peer's chunk c
+        const size_t cn = n / 8;
+        for (int c = 0; c < 8; ++c) {
+          if (v == 11) memcpy(staging[me][slot] + c * cn, tensor[me] + c * cn, cn * sizeof(float));
+          else copyStream(staging[me][slot] + c * cn, tensor[me] + c * cn, cn);
+          atomic_store_explicit(&cstamp[me][c][0], iter, memory_order_release);
+          while (atomic_load_explicit(&cstamp[peer][c][0], memory_order_acquire) < iter) _mm_pause();
+          add(out[me] + c * cn, tensor[me] + c * cn, staging[peer][slot] + c * cn, cn);
+        }
+        continue;
+      }
+      if (v == 6) {  // two-shot: stage the half the peer reduces, pull the peer's staging of mine
+        const size_t half = bytes / 2, hn = n / 2;
+        float* mine = tensor[me] + me * hn;     // the half this rank reduces
+        float* theirs = tensor[me] + peer * hn;  // the half the peer reduces
+        movsb(staging[me][slot] + peer * hn, theirs, half);
+        atomic_store_explicit(&stamp[me][0], iter, memory_order_release);
+        while (atomic_load_explicit(&stamp[peer][0], memory_order_acquire) < iter) _mm_pause();
+        movsb(tmp[me], staging[peer][slot] + me * hn, half);
+        add(out[me] + me * hn, mine, tmp[me], hn);
+        memcpy(result[me][slot], out[me] + me * hn, half);
+        ++iter;
+        atomic_store_explicit(&stamp[me][0], iter, memory_order_release);
+        while (atomic_load_explicit(&stamp[peer][0], memory_order_acquire) < iter) _mm_pause();
+        movsb(out[me] + peer * hn, result[peer][slot], half);
+        continue;
+      }
+      if (v == 0 || v == 3 || v == 5 || v == 7) memcpy(staging[me][slot], tensor[me], bytes);
+      if (v == 8 || v == 9) movsb(staging[me][slot], tensor[me], bytes);
+      if (v == 10) copyStream(staging[me][slot], tensor[me], n);
+      if (v == 13 || v == 14) {
+        memcpy(staging[me][slot], tensor[me], bytes);
+        char* p = (char*)staging[me][slot];
+        if (v == 13) for (size_t o = 0; o < bytes; o += 64) _mm_clwb(p + o);
+        else for (size_t o = 0; o < bytes; o += 64) _mm_clflushopt(p + o);
+        _mm_sfence();
+      }
       if (v == 4) copyStream(staging[me][slot], tensor[me], n);
       atomic_store_explicit(&stamp[me][0], iter, memory_order_release);
       while (atomic_load_explicit(&stamp[peer][0], memory_order_acquire) < iter) _mm_pause();
-      if (v == 0 || v == 4) add(out[me], tensor[me], staging[peer][slot], n);
+      if (v == 0 || v == 4 || v == 8 || v == 13 || v == 14) add(out[me], tensor[me], staging[peer][slot], n);
       if (v == 2) add(out[me], tensor[me], tensor[peer], n);
+      if (v == 5 || v == 9 || v == 10) { movsb(tmp[me], staging[peer][slot], bytes); add(out[me], tensor[me], tmp[me], n); }
+      if (v == 7) { memcpy(tmp[me], staging[peer][slot], bytes); add(out[me], tensor[me], tmp[me], n); }
     }
     if (me == 0) blockSeconds = now() - t0;
     atomic_store(&done[me], round);
@@ -103,6 +161,8 @@ int main(int argc, char** argv) {
   for (int r = 0; r < 2; ++r) {
     tensor[r] = aligned_alloc(4096, bytes);
     out[r] = aligned_alloc(4096, bytes);
+    tmp[r] = aligned_alloc(4096, bytes);
+    for (int s = 0; s < 2; ++s) result[r][s] = aligned_alloc(4096, bytes);
     for (size_t i = 0; i < bytes / sizeof(float); ++i) tensor[r][i] = (float)(i % 13 + r);
     for (int s = 0; s < 2; ++s) staging[r][s] = aligned_alloc(4096, bytes), memset(staging[r][s], 0, bytes);
   }
