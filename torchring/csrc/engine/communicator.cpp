@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <iomanip>
 #include <sstream>
 
 #include "core/reduce.h"
@@ -258,52 +257,6 @@ bool Communicator::allreduceNow(const at::Tensor& tensor, int op) {
   return true;
 }
 
-std::shared_ptr<CpuWork> Communicator::send(at::Tensor tensor, int peer, int64_t tag) {
-  checkPeer(tensor, peer, tag, "send");
-  const uint64_t traceId = recordP2P(OpKind::SEND, tensor, peer, tag);
-  const auto* data = static_cast<const char*>(tensor.data_ptr());
-  return traced(p2p_->send(peer, tag, data, tensor.nbytes(), tensorText(tensor), tensor), traceId);
-}
-
-std::shared_ptr<CpuWork> Communicator::recv(at::Tensor tensor, int peer, int64_t tag) {
-  checkPeer(tensor, peer, tag, "recv");
-  const uint64_t traceId = recordP2P(OpKind::RECV, tensor, peer, tag);
-  auto* data = static_cast<char*>(tensor.data_ptr());
-  return traced(p2p_->recv(peer, tag, data, tensor.nbytes(), tensorText(tensor), tensor), traceId);
-}
-
-uint64_t Communicator::recordP2P(OpKind kind, const at::Tensor& tensor, int peer, int64_t tag) {
-  if (!recorder_->enabled()) return 0;
-  const uint32_t frame = FlightRecorder::callerFrame();
-  OpHeader header = makeHeader(kind, tensor, ReduceOp::SUM, -1);
-  std::lock_guard<std::mutex> lock(mutex_);
-  header.seq = nextP2P_++;
-  return recorder_->record(header, frame, false, true, peer, tag);
-}
-
-std::shared_ptr<CpuWork> Communicator::traced(std::shared_ptr<CpuWork> work, uint64_t traceId) {
-  if (!recorder_->enabled()) return work;
-  recorder_->started(traceId);
-  CpuWork* raw = work.get();  // onDone runs while the work is alive
-  work->onDone([recorder = recorder_, traceId, raw] { recorder->finished(traceId, raw->error().empty()); });
-  return work;
-}
-
-void Communicator::checkPeer(const at::Tensor& tensor, int peer, int64_t tag, const char* what) const {
-  TORCH_CHECK_VALUE(tensor.defined() && tensor.device().is_cpu() && tensor.is_contiguous(), rankText(), ": ",
-                    what, " needs a contiguous CPU tensor");
-  (void)toDType(tensor.scalar_type());
-  const bool anySource = peer == P2P::kAnySource && std::string(what) == "recv";
-  TORCH_CHECK_VALUE(anySource || (peer >= 0 && peer < opt_.size && peer != opt_.rank), rankText(), ": ", what,
-                    " of ", tensorText(tensor), ": the peer must be another rank in [0, ", opt_.size, ")",
-                    std::string(what) == "recv" ? " or -1 (any source)" : "", ", got ", peer);
-  TORCH_CHECK_VALUE(tag >= 0, rankText(), ": ", what, " of ", tensorText(tensor), ": tag must be >= 0, got ", tag);
-  if (forkGeneration() != forkGeneration_) {
-    throw TorchringError(rankText() + ": " + what + " called in a forked child process (pid " +
-                         std::to_string(getpid()) + "): run it in the process that called " + kInitCall.torchring);
-  }
-}
-
 void Communicator::abort(const std::string& why) {
   if (forkGeneration() == forkGeneration_) {  // a forked child's copy only lets go (shutdown)
     {
@@ -320,18 +273,6 @@ void Communicator::abort(const std::string& why) {
 std::string Communicator::failure() {
   std::lock_guard<std::mutex> lock(mutex_);
   return failure_;
-}
-
-void Communicator::onP2PFailure(const std::string& message) {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (failure_.empty()) failure_ = message;
-  }
-  if (shm_) shm_->abort(message);
-  postFailure(message);  // before the links close (see execute)
-  if (tcp_) tcp_->interrupt();
-  recorder_->setFailure(message);
-  FlightRecorder::notifyFailure();
 }
 
 std::shared_ptr<CpuWork> Communicator::submitCheck(OpKind kind, const at::Tensor& like, ReduceOp op,
@@ -405,58 +346,6 @@ void Communicator::runExclusive(Op& op, std::unique_lock<std::mutex>& lock, bool
 std::string Communicator::failedMessage(const OpHeader& header) const {
   return rankText() + ": " + header.label() + " was not run because the communicator failed earlier: " +
          failure_;
-}
-
-std::vector<double> Communicator::waitedSeconds() const {
-  std::vector<double> out(opt_.size, 0.0);
-  const double secPerTick = nsPerTick() * 1e-9;
-  if (shm_) {
-    const auto& local = opt_.hosts[hostIndex_];
-    for (size_t i = 0; i < local.size(); ++i) out[local[i]] += shm_->waits().total(static_cast<int>(i)) * secPerTick;
-  }
-  if (tcp_) {
-    for (int m = 0; m < numHosts(); ++m) out[opt_.hosts[m][0]] += tcp_->waits().total(m) * secPerTick;
-  }
-  return out;
-}
-
-std::string Communicator::hostText(int rank) const {
-  const int host = rankHost_[rank];
-  const bool named = host < static_cast<int>(opt_.hostNames.size()) && !opt_.hostNames[host].empty();
-  const std::string name = "host " + (named ? opt_.hostNames[host] : std::to_string(host));
-  return host == hostIndex_ ? name + ", this host" : name;
-}
-
-// The late rank of an operation is the one this rank waited for longest in it, when that wait
-// reached stragglerSec; a rank late in half of the last kLateWindow operations is named once.
-void Communicator::noteWaits(const OpHeader& header) {
-  int late = -1;
-  int64_t longest = 0;
-  if (shm_) {
-    auto [peer, ticks] = shm_->waits().opLongest();
-    if (peer >= 0) late = opt_.hosts[hostIndex_][peer], longest = ticks;
-  }
-  if (tcp_) {
-    auto [member, ticks] = tcp_->waits().opLongest();
-    if (member >= 0 && ticks > longest) late = opt_.hosts[member][0], longest = ticks;
-  }
-  const double seconds = longest * nsPerTick() * 1e-9;
-  if (opt_.stragglerSec <= 0 || seconds < opt_.stragglerSec) late = -1;
-  const int gone = lateWindow_[lateNext_];
-  if (gone >= 0) --lateCount_[gone];
-  lateWindow_[lateNext_] = late;
-  lateNext_ = (lateNext_ + 1) % kLateWindow;
-  if (late < 0 || ++lateCount_[late] < kLateWindow / 2 || lateNamed_[late]) return;
-  lateNamed_[late] = true;
-  const std::vector<double> waited = waitedSeconds();
-  std::ostringstream msg;
-  msg << std::fixed << std::setprecision(1) << opt_.label << rankText() << ": rank " << late << " (" << hostText(late) << ") made this rank wait "
-      << opt_.stragglerSec * 1000 << " ms or more in " << lateCount_[late] << " of the last " << kLateWindow
-      << " collectives (" << seconds * 1000 << " ms in " << header.what() << "; " << std::setprecision(2)
-      << waited[late] << " s in all so far): it is persistently late. Look at what it does between collectives (data loading, "
-         "compute, a slower host or link); torchring.stats() gives every rank's waits, and python -m "
-         "torchring.trace names where each rank is (TORCHRING_STRAGGLER_MS sets the threshold, 0 turns this off)";
-  warn(msg.str());
 }
 
 // Runs one operation and completes its handle. A mismatch (thrown by checkHeaders, after the

@@ -3,7 +3,9 @@
 // the header checks and failure handling; failure_board.cpp how failures are told and read
 // through the store; hierarchy.cpp the algorithms that compose the shared-memory group and
 // the leaders' TCP links (within a host, then between hosts) and which one each operation
-// runs; fused.cpp the header exchange among hosts and the allreduces riding on it.
+// runs; fused.cpp the header exchange among hosts and the allreduces riding on it;
+// p2p_ops.cpp send and recv; stragglers.cpp the per-rank wait totals and the warning that
+// names a persistently late rank.
 #pragma once
 
 #include <ATen/ATen.h>
