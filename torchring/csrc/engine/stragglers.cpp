@@ -32,8 +32,6 @@ std::string Communicator::hostText(int rank) const {
   return host == hostIndex_ ? name + ", this host" : name;
 }
 
-// The late rank of an operation is the one this rank waited for longest in it, when that wait
-// reached stragglerSec; a rank late in half of the last kLateWindow operations is named once.
 void Communicator::noteWaits(const OpHeader& header) {
   int late = -1;
   int64_t longest = 0;
