@@ -26,6 +26,8 @@
 //                   of its own and reduced as soon as the peer's chunk is there
 //   clwb, clflushopt full, the copy-in's lines written back (CLWB) or flushed (CLFLUSHOPT)
 //                   before the sync, so the peer reads them from memory, not from this core
+//   pf-ahead, pf-nta full, the reduce asking for the peer's line 32 lines before it reads it
+//                   (prefetcht0; prefetchnta); pf-all: every line asked for at once, then reduced
 // full - copy-only is the price of reading BYTES the other core has just written; every
 // allreduce of fresh data pays it for the peer's BYTES at world 2. The summary gives each
 // variant's median and 10th/90th percentile per-iteration time over blocks run in random order.
@@ -44,8 +46,8 @@
 
 #include "timer.h"
 
-enum { kVariants = 15, kIters = 2000, kMaxBlocks = 100000 };
-static const char* kNames[kVariants] = {"full", "sync", "no-copy", "copy-only", "full-nt", "pull-movsb", "two-shot-movsb", "pull-memcpy", "movsb-in-add", "movsb-in-pull", "nt-in-pull", "pipe8", "pipe8-nt", "clwb", "clflushopt"};
+enum { kVariants = 18, kIters = 2000, kMaxBlocks = 100000 };
+static const char* kNames[kVariants] = {"full", "sync", "no-copy", "copy-only", "full-nt", "pull-movsb", "two-shot-movsb", "pull-memcpy", "movsb-in-add", "movsb-in-pull", "nt-in-pull", "pipe8", "pipe8-nt", "clwb", "clflushopt", "pf-ahead", "pf-all", "pf-nta"};
 
 static size_t bytes;
 static float* tensor[2];
@@ -74,6 +76,18 @@ static void copyStream(float* dst, const float* src, size_t n) {
 
 static void movsb(void* dst, const void* src, size_t n) {
   __asm__ volatile("rep movsb" : "+D"(dst), "+S"(src), "+c"(n) : : "memory");
+}
+
+// add() with the peer's lines asked for `ahead` lines before they are read (hint: _MM_HINT_T0 or NTA).
+static void addPrefetch(float* dst, const float* a, const float* b, size_t n, size_t ahead, int nta) {
+  for (size_t i = 0; i < n; i += 16) {
+    if (i + ahead * 16 < n) {
+      if (nta) _mm_prefetch((const char*)(b + i + ahead * 16), _MM_HINT_NTA);
+      else _mm_prefetch((const char*)(b + i + ahead * 16), _MM_HINT_T0);
+    }
+    _mm256_storeu_ps(dst + i, _mm256_add_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+    _mm256_storeu_ps(dst + i + 8, _mm256_add_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8)));
+  }
 }
 
 static void* rank(void* arg) {
@@ -127,6 +141,7 @@ static void* rank(void* arg) {
         movsb(out[me] + peer * hn, result[peer][slot], half);
         continue;
       }
+      if (v >= 15) memcpy(staging[me][slot], tensor[me], bytes);
       if (v == 0 || v == 3 || v == 5 || v == 7) memcpy(staging[me][slot], tensor[me], bytes);
       if (v == 8 || v == 9) movsb(staging[me][slot], tensor[me], bytes);
       if (v == 10) copyStream(staging[me][slot], tensor[me], n);
@@ -141,6 +156,12 @@ static void* rank(void* arg) {
       atomic_store_explicit(&stamp[me][0], iter, memory_order_release);
       while (atomic_load_explicit(&stamp[peer][0], memory_order_acquire) < iter) _mm_pause();
       if (v == 0 || v == 4 || v == 8 || v == 13 || v == 14) add(out[me], tensor[me], staging[peer][slot], n);
+      if (v == 15) addPrefetch(out[me], tensor[me], staging[peer][slot], n, 32, 0);
+      if (v == 17) addPrefetch(out[me], tensor[me], staging[peer][slot], n, 32, 1);
+      if (v == 16) {
+        for (size_t o = 0; o < bytes; o += 64) _mm_prefetch((const char*)staging[peer][slot] + o, _MM_HINT_T0);
+        add(out[me], tensor[me], staging[peer][slot], n);
+      }
       if (v == 2) add(out[me], tensor[me], tensor[peer], n);
       if (v == 5 || v == 9 || v == 10) { movsb(tmp[me], staging[peer][slot], bytes); add(out[me], tensor[me], tmp[me], n); }
       if (v == 7) { memcpy(tmp[me], staging[peer][slot], bytes); add(out[me], tensor[me], tmp[me], n); }
