@@ -30,8 +30,9 @@ int64_t cpuTicks() {
 #endif
 }
 
-double nsPerTick() {
+double nsPerTick(bool* settled) {
   const int64_t ticks = cpuTicks() - kTicks0, ns = steadyNs() - kSteady0;
+  if (settled != nullptr) *settled = ns > 1000000000;
   return ticks > 0 && ns > 1000000 ? double(ns) / double(ticks) : 1.0;
 }
 

@@ -17,7 +17,9 @@ namespace torchring {
 // The time-stamp counter on x86-64, else the steady clock in nanoseconds.
 int64_t cpuTicks();
 // Nanoseconds per tick, from the steady clock since the engine loaded (1 where ticks are ns).
-double nsPerTick();
+// It reads the steady clock; `settled` (when given) is set once a second has passed since the
+// engine loaded, from when on the ratio moves by less than a part in ten thousand.
+double nsPerTick(bool* settled = nullptr);
 
 class WaitLedger {
  public:

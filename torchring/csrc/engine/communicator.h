@@ -285,6 +285,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   int lateNext_ = 0;
   std::vector<int> lateCount_;
   std::vector<bool> lateNamed_;
+  // nsPerTick() in seconds, read again when opsToCalibrate_ runs out (noteWaits).
+  double secPerTick_ = 0;
+  int opsToCalibrate_ = 0;
 };
 
 }  // namespace torchring
