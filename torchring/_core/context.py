@@ -42,6 +42,7 @@ class _State:
     next_group: int = 1  # the id the next new_group() gets (0 is the world)
     groups: dict[int, Any] = dataclasses.field(default_factory=dict)  # live groups' communicators
     world_group: Any = None  # torchring.world_group()'s object, made on first use
+    world_target: Any = None  # group_wiring.target()'s for the world, made on first use
     pid: int = dataclasses.field(default_factory=os.getpid)  # the process that joined
     allreduce_now: Any = None  # the engine's allreduceNow without pybind's dispatcher (bindings.cpp)
 

@@ -89,6 +89,7 @@ class GroupBase:
         me = state.launch.rank
         self._rank = ranks.index(me) if me in ranks else -1
         self._destroyed = False
+        self._built_target: Target | None = None  # _target()'s, built on first use
 
     @property
     def id(self) -> int:
@@ -151,8 +152,10 @@ class GroupBase:
         if self._rank < 0:
             raise ValueError(f"rank {me}: torchring.{what} on {self._name()}, but rank {me} is not "
                              "a member; call it only on the group's ranks (group.is_member says)")
-        comm = self._state.comm if self._gid == 0 else self._comm
-        return Target(comm, self._rank, len(self._ranks), me, self._gid, self._ranks)
+        if self._built_target is None:  # built once (see target())
+            comm = self._state.comm if self._gid == 0 else self._comm
+            self._built_target = Target(comm, self._rank, len(self._ranks), me, self._gid, self._ranks)
+        return self._built_target
 
     def __repr__(self) -> str:
         state = "destroyed" if self._destroyed else f"rank {self._rank}" if self._rank >= 0 else "not a member"
@@ -166,8 +169,10 @@ def target(group: GroupBase | None, what: str) -> Target:
     """Where a collective called as torchring.`what` runs: `group`, or the world for None."""
     if group is None:
         state = _context._require(what)
-        me, world = state.launch.rank, state.launch.world_size
-        return Target(state.comm, me, world, me, 0, range(world))
+        if state.world_target is None:  # one per init(): building a frozen dataclass costs ~1 µs a call
+            me, world = state.launch.rank, state.launch.world_size
+            state.world_target = Target(state.comm, me, world, me, 0, range(world))
+        return state.world_target
     if not isinstance(group, GroupBase):
         _context._require(what)
         raise TypeError(f"rank {_context.rank()}: torchring.{what}: group must be a torchring.Group "

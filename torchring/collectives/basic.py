@@ -239,7 +239,8 @@ def barrier_async(group: GroupBase | None = None) -> Handle:
 @profiled
 def barrier(group: GroupBase | None = None) -> None:
     """Returns once every rank has called barrier()."""
-    _barrier(group, "barrier", True).wait()
+    # No Handle: a barrier has no result and always runs on the CPU engine.
+    _submit(OpKind.BARRIER, None, 0, -1, True, "barrier", target(group, "barrier")).wait(0.0)
 
 
 def _to_bytes_tensor(obj: Any) -> torch.Tensor:
