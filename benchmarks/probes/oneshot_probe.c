@@ -26,6 +26,8 @@
 //                   of its own and reduced as soon as the peer's chunk is there
 //   clwb, clflushopt full, the copy-in's lines written back (CLWB) or flushed (CLFLUSHOPT)
 //                   before the sync, so the peer reads them from memory, not from this core
+//   one-way         full, but only rank 0 reduces (rank 1 waits for it): one direction's price
+//   in-turn         rank 0 reduces, then rank 1: both directions, one at a time
 //   pf-ahead, pf-nta full, the reduce asking for the peer's line 32 lines before it reads it
 //                   (prefetcht0; prefetchnta); pf-all: every line asked for at once, then reduced
 // full - copy-only is the price of reading BYTES the other core has just written; every
@@ -46,8 +48,8 @@
 
 #include "timer.h"
 
-enum { kVariants = 18, kIters = 2000, kMaxBlocks = 100000 };
-static const char* kNames[kVariants] = {"full", "sync", "no-copy", "copy-only", "full-nt", "pull-movsb", "two-shot-movsb", "pull-memcpy", "movsb-in-add", "movsb-in-pull", "nt-in-pull", "pipe8", "pipe8-nt", "clwb", "clflushopt", "pf-ahead", "pf-all", "pf-nta"};
+enum { kVariants = 20, kIters = 2000, kMaxBlocks = 100000 };
+static const char* kNames[kVariants] = {"full", "sync", "no-copy", "copy-only", "full-nt", "pull-movsb", "two-shot-movsb", "pull-memcpy", "movsb-in-add", "movsb-in-pull", "nt-in-pull", "pipe8", "pipe8-nt", "clwb", "clflushopt", "pf-ahead", "pf-all", "pf-nta", "one-way", "in-turn"};
 
 static size_t bytes;
 static float* tensor[2];
@@ -139,6 +141,21 @@ static void* rank(void* arg) {
         atomic_store_explicit(&stamp[me][0], iter, memory_order_release);
         while (atomic_load_explicit(&stamp[peer][0], memory_order_acquire) < iter) _mm_pause();
         movsb(out[me] + peer * hn, result[peer][slot], half);
+        continue;
+      }
+      if (v == 18 || v == 19) {  // the peer's lines read by one rank at a time
+        memcpy(staging[me][slot], tensor[me], bytes);
+        atomic_store_explicit(&stamp[me][0], iter, memory_order_release);
+        while (atomic_load_explicit(&stamp[peer][0], memory_order_acquire) < iter) _mm_pause();
+        if (me == 0 || v == 19) {
+          if (me == 1) {  // in-turn: rank 1 reads once rank 0 is done
+            while (atomic_load_explicit(&stamp[peer][0], memory_order_acquire) < iter + 1) _mm_pause();
+          }
+          add(out[me], tensor[me], staging[peer][slot], n);
+        }
+        ++iter;
+        atomic_store_explicit(&stamp[me][0], iter, memory_order_release);
+        while (atomic_load_explicit(&stamp[peer][0], memory_order_acquire) < iter) _mm_pause();
         continue;
       }
       if (v >= 15) memcpy(staging[me][slot], tensor[me], bytes);
