@@ -28,6 +28,9 @@
 //                   before the sync, so the peer reads them from memory, not from this core
 //   one-way         full, but only rank 0 reduces (rank 1 waits for it): one direction's price
 //   in-turn         rank 0 reduces, then rank 1: both directions, one at a time
+//   root8, root1    reduce to rank 0 and release (MPICH's release_gather shape): rank 1 stages
+//                   its chunks, rank 0 reduces each as it lands into a shared result and flags
+//                   it, rank 1 copies each result chunk out; 8 chunks of BYTES/8, or one
 //   pf-ahead, pf-nta full, the reduce asking for the peer's line 32 lines before it reads it
 //                   (prefetcht0; prefetchnta); pf-all: every line asked for at once, then reduced
 // full - copy-only is the price of reading BYTES the other core has just written; every
@@ -48,8 +51,8 @@
 
 #include "timer.h"
 
-enum { kVariants = 20, kIters = 2000, kMaxBlocks = 100000 };
-static const char* kNames[kVariants] = {"full", "sync", "no-copy", "copy-only", "full-nt", "pull-movsb", "two-shot-movsb", "pull-memcpy", "movsb-in-add", "movsb-in-pull", "nt-in-pull", "pipe8", "pipe8-nt", "clwb", "clflushopt", "pf-ahead", "pf-all", "pf-nta", "one-way", "in-turn"};
+enum { kVariants = 22, kIters = 2000, kMaxBlocks = 100000 };
+static const char* kNames[kVariants] = {"full", "sync", "no-copy", "copy-only", "full-nt", "pull-movsb", "two-shot-movsb", "pull-memcpy", "movsb-in-add", "movsb-in-pull", "nt-in-pull", "pipe8", "pipe8-nt", "clwb", "clflushopt", "pf-ahead", "pf-all", "pf-nta", "one-way", "in-turn", "root8", "root1"};
 
 static size_t bytes;
 static float* tensor[2];
@@ -141,6 +144,32 @@ static void* rank(void* arg) {
         atomic_store_explicit(&stamp[me][0], iter, memory_order_release);
         while (atomic_load_explicit(&stamp[peer][0], memory_order_acquire) < iter) _mm_pause();
         movsb(out[me] + peer * hn, result[peer][slot], half);
+        continue;
+      }
+      if (v == 20 || v == 21) {  // reduce to rank 0, then release: chunks of BYTES/8 (root1: one)
+        const int chunks = v == 20 ? 8 : 1;
+        const size_t cn = n / chunks;
+        float* res = result[0][slot];
+        if (me == 1) {
+          for (int c = 0; c < chunks; ++c) {
+            memcpy(staging[1][slot] + c * cn, tensor[1] + c * cn, cn * sizeof(float));
+            atomic_store_explicit(&cstamp[1][c][0], iter, memory_order_release);
+          }
+          for (int c = 0; c < chunks; ++c) {
+            while (atomic_load_explicit(&cstamp[0][c][0], memory_order_acquire) < iter) _mm_pause();
+            memcpy(out[1] + c * cn, res + c * cn, cn * sizeof(float));
+          }
+        } else {
+          for (int c = 0; c < chunks; ++c) {
+            while (atomic_load_explicit(&cstamp[1][c][0], memory_order_acquire) < iter) _mm_pause();
+            add(res + c * cn, tensor[0] + c * cn, staging[1][slot] + c * cn, cn);
+            atomic_store_explicit(&cstamp[0][c][0], iter, memory_order_release);
+            memcpy(out[0] + c * cn, res + c * cn, cn * sizeof(float));
+          }
+        }
+        ++iter;  // rank 0 must not rewrite res before rank 1 has copied it out
+        atomic_store_explicit(&stamp[me][0], iter, memory_order_release);
+        while (atomic_load_explicit(&stamp[peer][0], memory_order_acquire) < iter) _mm_pause();
         continue;
       }
       if (v == 18 || v == 19) {  // the peer's lines read by one rank at a time
