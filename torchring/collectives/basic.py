@@ -225,22 +225,21 @@ def reduce_scatter(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, prescale_f
                            "reduce_scatter", True).wait()
 
 
-def _barrier(group: GroupBase | None, what: str, inline: bool) -> Handle:
-    tg = target(group, what)
-    return Handle(_submit(OpKind.BARRIER, None, 0, -1, inline, what, tg))
+def _barrier(group: GroupBase | None, what: str, inline: bool) -> Any:
+    """Submits a barrier (always on the CPU engine); returns the engine's Work."""
+    return _submit(OpKind.BARRIER, None, 0, -1, inline, what, target(group, what))
 
 
 @profiled
 def barrier_async(group: GroupBase | None = None) -> Handle:
     """Starts a barrier; wait() returns once every rank has reached it."""
-    return _barrier(group, "barrier_async", False)
+    return Handle(_barrier(group, "barrier_async", False))
 
 
 @profiled
 def barrier(group: GroupBase | None = None) -> None:
     """Returns once every rank has called barrier()."""
-    # No Handle: a barrier has no result and always runs on the CPU engine.
-    _submit(OpKind.BARRIER, None, 0, -1, True, "barrier", target(group, "barrier")).wait(0.0)
+    _barrier(group, "barrier", True).wait(0.0)  # no Handle: a barrier has no result
 
 
 def _to_bytes_tensor(obj: Any) -> torch.Tensor:
