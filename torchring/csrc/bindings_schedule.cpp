@@ -11,14 +11,15 @@ namespace py = pybind11;
 namespace torchring {
 namespace {
 
-constexpr Algo kAlgos[] = {Algo::Auto, Algo::Ring, Algo::Doubling, Algo::Rabenseifner, Algo::Tree, Algo::Bruck};
+constexpr Algo kAlgos[] = {Algo::Auto, Algo::Ring,  Algo::Doubling, Algo::Rabenseifner,
+                           Algo::Tree, Algo::Bruck, Algo::Radix4};
 
 Algo algoNamed(const std::string& name) {
   for (Algo a : kAlgos) {
     if (name == algoName(a)) return a;
   }
   throw py::value_error("no cross-host algorithm named '" + name +
-                        "'; expected auto, ring, doubling, rabenseifner, tree or bruck");
+                        "'; expected auto, ring, doubling, rabenseifner, radix4, tree or bruck");
 }
 
 // "rabenseifner:2" -> {Rabenseifner, 2}; any other word -> {that algorithm, 0}.
@@ -45,7 +46,7 @@ py::list ranges(const std::vector<Range>& rs) {
 }
 
 // {"algo": "ring", "owned": [(first, count)], "steps": [{"send_to", "recv_from", "send",
-// "recv", "fold"}]}
+// "recv", "fold", "with_next"}]}
 py::dict toPython(const Schedule& s) {
   py::list steps;
   for (const Step& step : s.steps) {
@@ -55,6 +56,7 @@ py::dict toPython(const Schedule& s) {
     d["send"] = ranges(step.send);
     d["recv"] = ranges(step.recv);
     d["fold"] = step.fold;
+    d["with_next"] = step.withNext;
     steps.append(d);
   }
   py::dict out;

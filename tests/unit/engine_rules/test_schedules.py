@@ -1,8 +1,9 @@
 """The cross-host schedules (csrc/schedule/) run on plain numbers, in process, through the
 ``*_schedule`` bindings the scale model uses too: every member of every member count 1–33 ends
 with every contribution exactly once, messages pair up (what one member sends in a step is what
-its partner receives, unit for unit), steps only name members the links connect, depths are
-the log-depth ones, and the cost model's closed forms equal the schedules' own step sums."""
+its partner receives, unit for unit), a group of steps that run at once (``with_next``) sends
+what its member held when the group started, steps only name members the links connect, depths
+are the log-depth ones, and the cost model's closed forms equal the schedules' own step sums."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from torchring._core import build as _build
 ENGINE = _build.load()
 MEMBERS = list(range(1, 18)) + [24, 31, 32, 33]
 # "rabenseifner:K": K halvings, then doubling on the window (all of them when K is more than there are).
-ALLREDUCE_ALGOS = ["ring", "doubling", "rabenseifner", "rabenseifner:1", "rabenseifner:2", "rabenseifner:3"]
+ALLREDUCE_ALGOS = ["ring", "doubling", "rabenseifner", "rabenseifner:1", "rabenseifner:2", "rabenseifner:3",
+                   "radix4"]
+CARRIED_ALGOS = [a for a in ALLREDUCE_ALGOS if a not in ("ring", "radix4")]  # those that ride on the headers
 
 
 def _levels(algo: str, members: int) -> int:
@@ -23,6 +26,8 @@ def _levels(algo: str, members: int) -> int:
     log2p2 = (1 << (members.bit_length() - 1)).bit_length() - 1
     if algo == "doubling":
         return 0
+    if algo == "radix4":
+        return log2p2
     word, _, k = algo.partition(":")
     return min(int(k), log2p2) if k else log2p2
 
@@ -31,17 +36,37 @@ def _units(ranges: list[tuple[int, int]]) -> list[int]:
     return [u for first, count in ranges for u in range(first, first + count)]
 
 
+def _group_end(steps: list[dict], i: int) -> int:
+    """The index after step i's group (steps joined by with_next run at once)."""
+    while i < len(steps) - 1 and steps[i]["with_next"]:
+        i += 1
+    return i + 1
+
+
+def _groups(steps: list[dict]) -> list[list[dict]]:
+    """Steps in their groups."""
+    out, i = [], 0
+    while i < len(steps):
+        out.append(steps[i:_group_end(steps, i)])
+        i = _group_end(steps, i)
+    return out
+
+
 def _run(schedules: list[dict], buffers: list[list[int]], fold: bool) -> None:
-    """Runs every member's steps as messages: a step posts its send (values as they are when
-    the step starts), then waits for its receive from the partner's matching step. Each member's
-    fold steps must all come before its copy steps."""
+    """Runs every member's steps as messages: a group of steps posts all its sends (values as
+    they are when the group starts), then each step waits for its receive from the partner's
+    matching step. Each member's fold steps must all come before its copy steps, and a group is
+    all one or the other."""
     for m, s in enumerate(schedules):
         phases = [st["fold"] for st in s["steps"]]
         assert phases == sorted(phases, reverse=True), f"member {m}: a fold step after a copy step"
+        assert not s["steps"] or not s["steps"][-1]["with_next"], f"member {m}: the last step joins nothing"
+        for i, st in enumerate(s["steps"][:-1]):
+            assert not st["with_next"] or st["fold"] == s["steps"][i + 1]["fold"], f"member {m}: mixed group"
     members = len(schedules)
     mail: dict[tuple[int, int], list[tuple[list[int], list[int], bool]]] = {}
     pos = [0] * members
-    posted = [False] * members
+    posted_until = [0] * members  # steps whose sends are posted: the current group's
     while any(pos[m] < len(schedules[m]["steps"]) for m in range(members)):
         progressed = False
         for m in range(members):
@@ -49,11 +74,13 @@ def _run(schedules: list[dict], buffers: list[list[int]], fold: bool) -> None:
             if pos[m] == len(steps):
                 continue
             step = steps[pos[m]]
-            if not posted[m] and step["send_to"] >= 0:
-                units = _units(step["send"])
-                mail.setdefault((m, step["send_to"]), []).append(
-                    (units, [buffers[m][u] for u in units], step["fold"]))
-            posted[m] = True
+            if posted_until[m] <= pos[m]:
+                posted_until[m] = _group_end(steps, pos[m])
+                for st in steps[pos[m]:posted_until[m]]:
+                    if st["send_to"] >= 0:
+                        units = _units(st["send"])
+                        mail.setdefault((m, st["send_to"]), []).append(
+                            (units, [buffers[m][u] for u in units], st["fold"]))
             if step["recv_from"] >= 0:
                 queue = mail.get((step["recv_from"], m), [])
                 if not queue:
@@ -71,7 +98,6 @@ def _run(schedules: list[dict], buffers: list[list[int]], fold: bool) -> None:
                     else:
                         buffers[m][u] = v
             pos[m] += 1
-            posted[m] = False
             progressed = True
         assert progressed, f"deadlock: members at steps {pos}"
     assert not any(mail.values()), f"messages nobody received: {mail}"
@@ -127,7 +153,7 @@ def test_headers_ride_on_doubling(members: int) -> None:
         assert known == set(range(members)), f"{members} members: member {me} ends knowing {sorted(known)}"
 
 
-@pytest.mark.parametrize("algo", [a for a in ALLREDUCE_ALGOS if a != "ring"])
+@pytest.mark.parametrize("algo", CARRIED_ALGOS)
 @pytest.mark.parametrize("members", MEMBERS)
 def test_carried_schedules_begin_with_the_header_exchange(algo: str, members: int) -> None:
     """Doubling and Rabenseifner (any halvings) ride on the header exchange
@@ -162,6 +188,12 @@ def test_depths(members: int) -> None:
     assert steps["rabenseifner"] == 2 * log2p2 + fold
     for k in (1, 2, 3):
         assert steps[f"rabenseifner:{k}"] == log2p2 + min(k, log2p2) + fold
+    # Radix4: one group per level each way (a radix-2 level first when log2 p2 is odd), the
+    # groups of radix 4 three steps each.
+    radix_levels = (log2p2 + 1) // 2
+    groups = max(len(_groups(ENGINE.allreduce_schedule("radix4", members, m, 64)["steps"])) for m in range(members))
+    assert groups == 2 * radix_levels + fold
+    assert steps["radix4"] == 2 * (3 * (log2p2 // 2) + log2p2 % 2) + fold
     assert max(len(ENGINE.allgather_schedule("bruck", members, m)["steps"]) for m in range(members)) == ceil_log2
     for root in {0, members // 2, members - 1}:
         depth = [len(ENGINE.broadcast_schedule("tree", members, m, root, 100)["steps"]) for m in range(members)]
@@ -201,7 +233,9 @@ def test_steps_only_name_partners(members: int) -> None:
                       for r in range(members)]
         named = {p for s in schedules for st in s["steps"] for p in (st["send_to"], st["recv_from"]) if p >= 0}
         assert named <= partners[m], f"{members} members: member {m} talks to {named - partners[m]}"
-    assert max(len(p) for p in partners) <= 2 * max(1, math.ceil(math.log2(max(members, 2)))) + 2
+    # Ring and distance-2^k neighbours both ways, the fold partner, one more per radix-4 level.
+    ceil_log2 = max(1, math.ceil(math.log2(max(members, 2))))
+    assert max(len(p) for p in partners) <= 2 * ceil_log2 + 2 + (ceil_log2 + 1) // 2
 
 
 @pytest.mark.parametrize("algo", ALLREDUCE_ALGOS)
@@ -223,14 +257,19 @@ def test_choice_follows_size_and_host_count() -> None:
     choose = ENGINE.choose_allreduce
     assert choose("auto", 16, 2, 4, alpha, beta, gamma) == "doubling"
     assert choose("auto", 16, 1 << 16, 4, alpha, beta, gamma).startswith("rabenseifner")
-    # Between the two: fewer halvings than all; with the data large, all of them.
+    # Between the two: fewer halvings than all; with the data large, Radix4 (Rabenseifner's
+    # bytes in half its steps: its groups of three transfers cost one alpha each), which on
+    # 2 or 3 hosts is Rabenseifner's one halving (a tie, kept by Rabenseifner).
     assert choose("auto", 1024, 1 << 14, 4, 10e-6, beta, gamma) not in ("doubling", "rabenseifner", "ring")
-    assert choose("auto", 16, 1 << 22, 4, alpha, beta, gamma) == "rabenseifner"
+    assert choose("auto", 16, 1 << 22, 4, alpha, beta, gamma) == "radix4"
+    assert choose("auto", 3, 1 << 22, 4, alpha, beta, gamma) in ("ring", "rabenseifner")
+    assert choose("radix4", 16, 2, 4, alpha, beta, gamma) == "radix4"
     assert choose("rabenseifner:2", 16, 2, 4, alpha, beta, gamma) == "rabenseifner:2"
     assert choose("auto", 2, 1 << 24, 4, alpha, beta, gamma) in ("ring", "rabenseifner")
     assert choose("ring", 16, 2, 4, alpha, beta, gamma) == "ring"
     assert choose("doubling", 16, 1 << 24, 4, alpha, beta, gamma) == "doubling"
-    assert list(ENGINE.ALGOS)[:4] == ["auto", "ring", "doubling", "rabenseifner"]
+    assert list(ENGINE.ALGOS) == ["auto", "ring", "doubling", "rabenseifner", "tree", "bruck", "radix4"]
+    assert not ENGINE.rides_on_headers("radix4", 16, 2, 4, alpha, beta, gamma)
     with pytest.raises(ValueError, match="no cross-host algorithm named 'tree-ish'"):
         choose("tree-ish", 4, 1, 4, alpha, beta, gamma)
     with pytest.raises(ValueError, match="only rabenseifner takes a count of halvings"):

@@ -21,6 +21,16 @@
 // 2(p2 - 1)/p2 of the buffer, log-depth and bandwidth-optimal; with k levels the middle
 // log2(p2) - k steps each move the p2/2^k-block window: fewer steps than all levels, fewer
 // bytes than Doubling (halving(0)), the middle the cost model can pick.
+//
+// Radix4: Rabenseifner with radix-4 levels (radixLevels: one radix-2 level first when
+// log2(p2) is odd). At the level of (shift, radix) core member c's digit is
+// d = (c >> shift) & (radix - 1); its window [lo, hi) splits into `radix` parts of `part`
+// blocks, and in one group it sends part d ^ j to core member c ^ (j << shift) and folds that
+// member's copy of part d, for j = 1 .. radix - 1 at once; the window becomes part d. Back
+// in reverse order, one group per level: c sends its part d to the same members and receives
+// theirs. log4(p2) groups each way, each moving (radix - 1)/radix of the window: the bytes of
+// Rabenseifner in half its steps, as the links carry the group's transfers side by side.
+#include <algorithm>
 #include <stdexcept>
 
 #include "schedule/schedule.h"
@@ -35,6 +45,7 @@ const char* algoName(Algo algo) {
     case Algo::Rabenseifner: return "rabenseifner";
     case Algo::Tree: return "tree";
     case Algo::Bruck: return "bruck";
+    case Algo::Radix4: return "radix4";
   }
   return "?";
 }
@@ -155,7 +166,59 @@ Schedule halving(Algo algo, int members, int me, size_t count, int levels) {
   return s;
 }
 
+Schedule radix(int members, int me, size_t count) {
+  Schedule s;
+  s.algo = Algo::Radix4;
+  const int p2 = powerOfTwoBelow(members), c = coreOf(members, me);
+  foldStep(s, members, me, count, true);
+  if (c >= 0) {
+    const auto levels = radixLevels(members);
+    std::vector<int> starts;  // the window's first block before each level (its length: radix parts)
+    int lo = 0, len = p2;
+    for (const auto& [shift, radix] : levels) {
+      const int digit = (c >> shift) & (radix - 1), part = len / radix;
+      const Range keep = blocks(count, p2, lo + digit * part, lo + (digit + 1) * part);
+      for (int j = 1; j < radix; ++j) {
+        const int partner = memberOf(members, c ^ (j << shift)), other = digit ^ j;
+        s.steps.push_back({partner, partner, {blocks(count, p2, lo + other * part, lo + (other + 1) * part)}, {keep},
+                           true, j + 1 < radix});
+      }
+      starts.push_back(lo);
+      lo += digit * part;
+      len = part;
+    }
+    s.owned = {blocks(count, p2, lo, lo + len)};
+    for (int level = static_cast<int>(levels.size()) - 1; level >= 0; --level) {
+      const auto [shift, radix] = levels[level];
+      const int digit = (c >> shift) & (radix - 1), part = len, first = starts[level];
+      const Range mine = blocks(count, p2, first + digit * part, first + (digit + 1) * part);
+      for (int j = 1; j < radix; ++j) {
+        const int partner = memberOf(members, c ^ (j << shift)), other = digit ^ j;
+        const Range theirs = blocks(count, p2, first + other * part, first + (other + 1) * part);
+        s.steps.push_back({partner, partner, {mine}, {theirs}, false, j + 1 < radix});
+      }
+      len *= radix;
+    }
+  }
+  foldStep(s, members, me, count, false);
+  return s;
+}
+
 }  // namespace
+
+std::vector<std::pair<int, int>> radixLevels(int members) {
+  const int levels = coreLevels(members);
+  std::vector<std::pair<int, int>> out;
+  int shift = 0;
+  if (levels % 2 == 1) out.push_back({shift++, 2});
+  for (; shift < levels; shift += 2) out.push_back({shift, 4});
+  return out;
+}
+
+size_t groupEnd(const std::vector<Step>& steps, size_t i) {
+  while (i < steps.size() && steps[i].withNext) ++i;
+  return std::min(i + 1, steps.size());
+}
 
 // The ring's reduce-scatter shifted by one, so that member `me` ends owning its own block:
 // in step s it sends block (me - s - 1) to the right and folds block (me - s - 2) from the left.
@@ -191,6 +254,7 @@ Schedule allreduceSchedule(Algo algo, int members, int me, size_t count, int lev
     case Algo::Ring: return ring(members, me, count);
     case Algo::Doubling:
     case Algo::Rabenseifner: return halving(algo, members, me, count, halvingsOf(algo, members, levels));
+    case Algo::Radix4: return radix(members, me, count);
     default: throw std::invalid_argument(std::string("allreduceSchedule: no allreduce named ") + algoName(algo));
   }
 }

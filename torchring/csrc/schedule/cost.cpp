@@ -5,6 +5,10 @@
 //   doubling:      fold + log2(p2) steps of the whole buffer, each folded
 //   rabenseifner:  fold + k halving steps (n/2, n/4, ... sent and folded), log2(p2) - k steps
 //                  of the n/2^k window (sent and folded), k steps back (..., n/4, n/2 sent)
+//   radix4:        fold + per level of radix r on a window of w bytes, a group there (sends
+//                  and folds (r - 1)·w/r) and a group back (sends (r - 1)·w/r)
+// A group of steps that run at once (schedule.h withNext) costs one alpha: its transfers
+// share the leader's link (their bytes add up) and its folds add up.
 // A chunk or block is the largest one (count split as chunkOf), so uneven splits cost what
 // the slowest member pays.
 #include "schedule/cost.h"
@@ -27,9 +31,16 @@ double scheduleSeconds(const Schedule& schedule, const std::vector<size_t>& unit
     return static_cast<double>(total);
   };
   double seconds = 0;
-  for (const Step& step : schedule.steps) {
-    const double sent = bytesOf(step.send), received = bytesOf(step.recv);
-    seconds += cost.alpha + std::max(sent, received) * cost.beta + (step.fold ? received * cost.gamma : 0.0);
+  const auto& steps = schedule.steps;
+  for (size_t i = 0; i < steps.size();) {
+    const size_t end = groupEnd(steps, i);
+    double sent = 0, received = 0, folded = 0;
+    for (; i < end; ++i) {
+      sent += bytesOf(steps[i].send);
+      received += bytesOf(steps[i].recv);
+      if (steps[i].fold) folded += bytesOf(steps[i].recv);
+    }
+    seconds += cost.alpha + std::max(sent, received) * cost.beta + folded * cost.gamma;
   }
   return seconds;
 }
@@ -57,6 +68,16 @@ double allreduceSeconds(Algo algo, int members, size_t count, size_t esize, cons
       }
       const double window = k == 0 ? n : block * (p2 >> k);
       return fold + halves + (logp2 - k) * (a + window * b + window * g);
+    }
+    case Algo::Radix4: {
+      const double block = static_cast<double>(chunkOf(count, p2, 0).count * esize);
+      double levels = 0, window = block * p2;
+      for (const auto& [shift, radix] : radixLevels(members)) {
+        const double moved = window / radix * (radix - 1);
+        levels += 2 * a + 2 * moved * b + moved * g;
+        window /= radix;
+      }
+      return fold + levels;
     }
     default:
       throw std::invalid_argument(std::string("allreduceSeconds: no allreduce named ") + algoName(algo));
@@ -117,6 +138,7 @@ AllreduceChoice chooseAllreduce(AllreduceChoice forced, int members, size_t coun
   consider(Algo::Rabenseifner, 0);
   for (int k = 1; k < coreLevels(members); ++k) consider(Algo::Rabenseifner, k);
   consider(Algo::Doubling, 0);
+  consider(Algo::Radix4, 0);
   return best;
 }
 

@@ -1,6 +1,7 @@
 // The cost model that picks a cross-host algorithm per operation: each step of a schedule
 // (schedule.h) costs alpha + (the larger of the bytes it sends and receives)·beta + (the
-// bytes it folds)·gamma, steps add up. The closed forms below are that sum along the slowest
+// bytes it folds)·gamma, steps add up (a group of steps that run at once: one alpha, its
+// bytes and folds added up). The closed forms below are that sum along the slowest
 // member's steps (tests/unit/engine_rules checks them against the schedules themselves);
 // choose*() takes the cheapest. alpha and beta are measured on the leaders' links when they
 // connect (TcpLinks::measure), gamma on this host's reduction; the job agrees on the largest
@@ -53,7 +54,7 @@ double headerSeconds(int members, const LinkCost& cost);
 // The cheapest, or `forced` when it is not Auto (Ring forces the ring on every operation;
 // Doubling and Rabenseifner force that allreduce and leave allgather and broadcast to the model).
 // An allreduce's cost counts the header exchange, or for one that rides on it its copy
-// (ridesOnHeaders). Rabenseifner is weighed with every count of halvings.
+// (ridesOnHeaders). Rabenseifner is weighed with every count of halvings, then Radix4.
 AllreduceChoice chooseAllreduce(AllreduceChoice forced, int members, size_t count, size_t esize,
                                 const LinkCost& cost);
 // Seconds of the copy an allreduce riding on the header exchange makes (`bytes`: the tensor

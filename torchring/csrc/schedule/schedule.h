@@ -8,7 +8,10 @@
 // part of the result), bytes for broadcast. Each Step sends some units to one member and
 // receives some units from one member (either may be absent), at the same time; received
 // units are folded (reduced) into the buffer when `fold` is set, else copied into place.
-// Steps run in order; a step starts when the previous one has ended on this member.
+// Steps run in order; a step starts when the previous one has ended on this member. A step
+// marked `withNext` runs at the same time as the next one: such a run of steps is a group
+// (all fold or all copy), whose transfers go at once and which ends when all of them have;
+// steps of a group that receive the same units fold them in the group's step order.
 //
 // Allreduce schedules fold first and copy after: once the last fold step has ended, `owned`
 // units are complete (the engine scales or rounds them there, once), and the copy steps
@@ -22,6 +25,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace torchring {
@@ -34,6 +38,7 @@ enum class Algo : uint8_t {
   Rabenseifner = 3,  // allreduce: recursive-halving reduce-scatter + recursive-doubling allgather
   Tree = 4,          // broadcast: binomial tree from the root
   Bruck = 5,         // allgather: Bruck's concatenation (distance 1, 2, 4, ...), any member count
+  Radix4 = 6,        // allreduce: Rabenseifner in radix 4: each level swaps quarters with 3 members at once
 };
 // "ring", "doubling", ...: the words TORCHRING_ALGO takes and messages use.
 const char* algoName(Algo algo);
@@ -49,6 +54,7 @@ struct Step {
   // The step belongs to the reduce phase: it sends partial results and folds (reduces) what
   // it receives into the buffer. Else it spreads results: received units are copied into place.
   bool fold = false;
+  bool withNext = false;  // runs at the same time as the next step (one group)
 };
 
 struct Schedule {
@@ -77,7 +83,12 @@ int coreLevels(int members);
 // The halvings Rabenseifner runs when `levels` are asked for: all of them for 0 (or more than
 // there are), else `levels`; 0 for other algorithms.
 int halvingsOf(Algo algo, int members, int levels);
-// Ring, Doubling or Rabenseifner (with `levels` halvings, halvingsOf), for `count` elements.
+// Radix4's core levels, from the lowest bits of the core index up: (shift, radix), one of
+// radix 2 first when log2(p2) is odd, then radix 4.
+std::vector<std::pair<int, int>> radixLevels(int members);
+// The index of the first step after step `i`'s group.
+size_t groupEnd(const std::vector<Step>& steps, size_t i);
+// Ring, Doubling, Rabenseifner (with `levels` halvings, halvingsOf) or Radix4, for `count` elements.
 Schedule allreduceSchedule(Algo algo, int members, int me, size_t count, int levels = 0);
 // Reduce-scatter around the ring: member m ends owning `blocks[m]` (element ranges, any
 // sizes, member blocks disjoint) reduced over every member; nothing is spread after.

@@ -145,8 +145,9 @@ std::vector<Carried> carriedAlong(Algo algo, int members, int me) {
   return out;
 }
 
-// Ring neighbours, members at distance 2^k either way (Bruck, the tree from any root), and
-// the fold and core partners of Doubling and Rabenseifner (the same for both). The relation
+// Ring neighbours, members at distance 2^k either way (Bruck, the tree from any root), the
+// fold and core partners of Doubling and Rabenseifner (the same for both), and Radix4's
+// (those and, at each radix-4 level, core member c ^ (3 << shift)). The relation
 // is symmetric, so each pair agrees that the lower member dials.
 std::vector<int> partnersOf(int members, int me) {
   std::set<int> out;
@@ -158,6 +159,9 @@ std::vector<int> partnersOf(int members, int me) {
   if (me < 2 * rem) out.insert(me % 2 == 0 ? me + 1 : me - 1);
   if (c >= 0) {
     for (int mask = 1; mask < p2; mask <<= 1) out.insert(memberOf(members, c ^ mask));
+    for (const auto& [shift, radix] : radixLevels(members)) {
+      for (int j = 1; j < radix; ++j) out.insert(memberOf(members, c ^ (j << shift)));
+    }
   }
   out.erase(me);
   return {out.begin(), out.end()};
