@@ -26,6 +26,11 @@ LAYOUTS = {
     "hybrid-aab": ("aab", "shm", 0),
     "hybrid-abab": ("abab", "shm", None),
 }
+# Layouts for Radix4's groups only (a radix-4 level needs 4 hosts): the sweeps above stay as they were.
+RADIX_LAYOUTS = {
+    "tcp-4": ("abcd", "tcp", None),
+    "hybrid-abcda": ("abcda", "shm", None),
+}
 SIZES = [0, 1, 7, 1000, 1024 * 3 + 5]  # the last is several segments of every dtype
 
 
@@ -85,7 +90,7 @@ def _rooted_and_gathers(rank: int, comm: Any, world: int) -> list[str]:
 def _sweep_on(layout: str, sweep: Callable[[int, Any, int], list[str]], algo: str = "auto") -> None:
     """Runs `sweep(rank, comm, world)` on every rank of `layout` (TORCHRING_ALGO=`algo`); fails
     with what it found."""
-    hosts, transport, one_shot = LAYOUTS[layout]
+    hosts, transport, one_shot = {**LAYOUTS, **RADIX_LAYOUTS}[layout]
     world = len(hosts)
     results = run_world(world, lambda r, c: sweep(r, c, world), hosts, transport,
                         one_shot_bytes=one_shot, algo=algo)
@@ -111,6 +116,14 @@ def test_allreduce_halvings_among_five_hosts(algo: str) -> None:
     halvings, then doubling on the half window; with both; and Doubling (none). Each rides
     on the header exchange up to kCarriedLimitBytes."""
     _sweep_on("tcp-5", _allreduce_sweep, algo)
+
+
+@pytest.mark.parametrize("layout", ["tcp-4", "tcp-5", "hybrid-abcda"])
+def test_allreduce_radix4_groups(layout: str) -> None:
+    """Radix4 among 4 hosts (one radix-4 level: three transfers at once each way, three folds
+    into one quarter in a fixed order), 5 (one folds in and out of the core of four), and 4
+    hosts with a second rank on one of them."""
+    _sweep_on(layout, _allreduce_sweep, "radix4")
 
 
 @pytest.mark.parametrize("layout", ["one", "shm-3-chunked", "tcp-3", "hybrid-abab"])
@@ -150,7 +163,8 @@ def test_tcp_ring_streams_multi_segment_chunks(layout: str) -> None:
     _sweep_on(layout, _tcp_streams, "ring")
 
 
-@pytest.mark.parametrize("algo", ["doubling", "rabenseifner"])
+@pytest.mark.parametrize("algo", ["doubling", "rabenseifner", "radix4"])
 def test_log_depth_steps_fold_as_bytes_arrive(algo: str) -> None:
-    """The step-by-step allreduce on messages of several segments, 16-bit and scaled too."""
-    _sweep_on("tcp-3", _tcp_streams, algo)
+    """The step-by-step allreduce on messages of several segments, 16-bit and scaled too
+    (Radix4 on 4 hosts: a group's three receives fold segment by segment, in order)."""
+    _sweep_on("tcp-4" if algo == "radix4" else "tcp-3", _tcp_streams, algo)

@@ -223,9 +223,10 @@ LinkCost TcpLinks::measure() {
   return cost;
 }
 
-// One loop moves both streams: send what may go, read what came, and when neither moved a
-// byte, poll for room to send and bytes to read; repeat until both streams are done or no
-// byte moves for the timeout.
+// One loop moves every stream: send what may go, read what came, and when no stream moved a
+// byte, poll for room to send and bytes to read; repeat until every stream is done or no
+// byte moves for the timeout. Messages name the first unfinished receiving stream's member
+// (else the first sending one's): the one this member waits on.
 // How much one send() hands the kernel (`piece`): a long stream (streamBytes at least
 // opt_.piecedStreamBytes: a ring of two from 8 MiB up) goes in pieces of
 // opt_.sendPieceBytes; a shorter one in whatever the socket takes. Measured between two
@@ -241,99 +242,138 @@ LinkCost TcpLinks::measure() {
 void TcpLinks::exchange(int sendTo, const std::vector<Span>& send, int recvFrom, const std::vector<Span>& recv,
                         const std::function<void(size_t)>& onRecv,
                         const std::function<size_t()>& sendable) {
-  auto fdOf = [&](int member, const std::vector<Span>& spans) {
-    if (spans.empty()) return -1;
-    if (member < 0 || member >= members() || links_[member].fd < 0) {
-      fail("internal error: the schedule names a member this host has no connection to:", member);
-    }
-    return links_[member].fd;
+  exchangeStreams({{sendTo, true, &send, nullptr, sendable}, {recvFrom, false, &recv, onRecv, nullptr}});
+}
+
+void TcpLinks::exchangeStreams(const std::vector<Stream>& streams) {
+  struct Position {
+    int fd = -1;
+    size_t idx = 0, off = 0, moved = 0, piece = SIZE_MAX;
   };
-  const int sendFd = fdOf(sendTo, send), recvFd = fdOf(recvFrom, recv);
-  size_t sendIdx = 0, sendOff = 0, recvIdx = 0, recvOff = 0, received = 0, sent = 0;
-  size_t streamBytes = 0;
-  for (const Span& s : send) streamBytes += s.bytes;
-  const size_t piece = streamBytes >= opt_.piecedStreamBytes ? opt_.sendPieceBytes : SIZE_MAX;
-  auto skipEmpty = [](const std::vector<Span>& spans, size_t& idx, size_t& off) {
-    while (idx < spans.size() && off == spans[idx].bytes) {
-      ++idx;
-      off = 0;
+  const size_t n = streams.size();
+  std::vector<Position> at(n);
+  for (size_t i = 0; i < n; ++i) {
+    const Stream& s = streams[i];
+    if (s.spans->empty()) continue;
+    if (s.member < 0 || s.member >= members() || links_[s.member].fd < 0) {
+      fail("internal error: the schedule names a member this host has no connection to:", s.member);
+    }
+    at[i].fd = links_[s.member].fd;
+    size_t streamBytes = 0;
+    for (const Span& span : *s.spans) streamBytes += span.bytes;
+    if (s.out && streamBytes >= opt_.piecedStreamBytes) at[i].piece = opt_.sendPieceBytes;
+  }
+  auto skipEmpty = [&](size_t i) {
+    const std::vector<Span>& spans = *streams[i].spans;
+    while (at[i].idx < spans.size() && at[i].off == spans[at[i].idx].bytes) {
+      ++at[i].idx;
+      at[i].off = 0;
     }
   };
+  std::vector<size_t> allowed(n);
+  std::vector<pollfd> fds;
   auto lastProgress = Clock::now();
   bool idle = false;  // try the sockets first: a send usually goes and data may be waiting
   for (;;) {
-    skipEmpty(send, sendIdx, sendOff);
-    skipEmpty(recv, recvIdx, recvOff);
-    const bool sending = sendIdx < send.size(), receiving = recvIdx < recv.size();
-    if (!sending && !receiving) return;
-    // What may go now: the rest of this span, or less where the stream waits for received data.
-    size_t allowed = sending ? std::min(send[sendIdx].bytes - sendOff, piece) : 0;
-    if (sending && sendable) {
-      const size_t limit = sendable();
-      allowed = std::min(allowed, limit > sent ? limit - sent : 0);
+    int waitingOn = -1, sendingTo = -1;  // the members messages name
+    bool active = false, receiving = false;
+    for (size_t i = 0; i < n; ++i) {
+      skipEmpty(i);
+      allowed[i] = 0;
+      if (at[i].idx >= streams[i].spans->size()) continue;
+      active = true;
+      const Stream& s = streams[i];
+      if (!s.out) {
+        receiving = true;
+        if (waitingOn < 0) waitingOn = s.member;
+        continue;
+      }
+      if (sendingTo < 0) sendingTo = s.member;
+      // What may go now: the rest of this span, or less where the stream waits for received data.
+      allowed[i] = std::min((*s.spans)[at[i].idx].bytes - at[i].off, at[i].piece);
+      if (s.sendable) {
+        const size_t limit = s.sendable();
+        allowed[i] = std::min(allowed[i], limit > at[i].moved ? limit - at[i].moved : 0);
+      }
     }
-    if (sending && allowed == 0 && !receiving) {
-      fail("internal error: the send stream waits for data, but nothing is left to receive from", recvFrom);
+    if (!active) return;
+    const int named = receiving ? waitingOn : sendingTo;
+    if (!receiving) {
+      for (size_t i = 0; i < n; ++i) {
+        if (streams[i].out && at[i].idx < streams[i].spans->size() && allowed[i] == 0) {
+          fail("internal error: the send stream waits for data, but nothing is left to receive from", named);
+        }
+      }
     }
     if (idle) {  // the last round moved nothing: wait until a socket can (or 100 ms)
-      pollfd fds[2];
-      int nfds = 0;
-      if (allowed > 0) fds[nfds++] = {sendFd, POLLOUT, 0};
-      if (receiving && nfds == 1 && recvFd == sendFd) {
-        fds[0].events |= POLLIN;  // one partner both ways: one socket
-      } else if (receiving) {
-        fds[nfds++] = {recvFd, POLLIN, 0};
+      fds.clear();
+      for (size_t i = 0; i < n; ++i) {
+        const short events = streams[i].out ? (allowed[i] > 0 ? POLLOUT : 0)
+                                            : (at[i].idx < streams[i].spans->size() ? POLLIN : 0);
+        if (events == 0) continue;
+        auto same = std::find_if(fds.begin(), fds.end(), [&](const pollfd& p) { return p.fd == at[i].fd; });
+        if (same != fds.end()) {
+          same->events |= events;  // one partner both ways: one socket
+        } else {
+          fds.push_back({at[i].fd, events, 0});
+        }
       }
-      const TimedWait timed(waits_, receiving ? recvFrom : sendTo);
-      int rc = poll(fds, nfds, 100);
-      if (rc < 0 && errno != EINTR) fail(std::string("poll failed: ") + std::strerror(errno), receiving ? recvFrom : sendTo);
+      const TimedWait timed(waits_, named);
+      int rc = poll(fds.data(), fds.size(), 100);
+      if (rc < 0 && errno != EINTR) fail(std::string("poll failed: ") + std::strerror(errno), named);
     }
     bool progressed = false;
-    if (allowed > 0) {
+    for (size_t i = 0; i < n; ++i) {
+      const Stream& s = streams[i];
+      const std::vector<Span>& spans = *s.spans;
+      Position& p = at[i];
+      if (!s.out || allowed[i] == 0) continue;
       // The rest of this span and, when nothing limits the stream, the next few spans in one
       // call: a short header span goes in the same segment as the data after it, so the
       // receiver wakes once for both.
       iovec iov[8];
-      int n = 0;
-      iov[n++] = {send[sendIdx].data + sendOff, allowed};
-      if (!sendable && allowed == send[sendIdx].bytes - sendOff) {
-        size_t total = allowed;
-        for (size_t i = sendIdx + 1; i < send.size() && n < 8 && total < piece; ++i) {
-          const size_t len = std::min(send[i].bytes, piece - total);
-          if (len > 0) iov[n++] = {send[i].data, len};
+      int k = 0;
+      iov[k++] = {spans[p.idx].data + p.off, allowed[i]};
+      if (!s.sendable && allowed[i] == spans[p.idx].bytes - p.off) {
+        size_t total = allowed[i];
+        for (size_t j = p.idx + 1; j < spans.size() && k < 8 && total < p.piece; ++j) {
+          const size_t len = std::min(spans[j].bytes, p.piece - total);
+          if (len > 0) iov[k++] = {spans[j].data, len};
           total += len;
         }
       }
       msghdr msg{};
       msg.msg_iov = iov;
-      msg.msg_iovlen = n;
-      ssize_t w = ::sendmsg(sendFd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+      msg.msg_iovlen = k;
+      ssize_t w = ::sendmsg(p.fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
       if (w > 0) {
-        sent += static_cast<size_t>(w);
+        p.moved += static_cast<size_t>(w);
         for (size_t left = static_cast<size_t>(w); left > 0;) {  // advance over the spans sent
-          skipEmpty(send, sendIdx, sendOff);
-          const size_t take = std::min(left, send[sendIdx].bytes - sendOff);
-          sendOff += take;
+          skipEmpty(i);
+          const size_t take = std::min(left, spans[p.idx].bytes - p.off);
+          p.off += take;
           left -= take;
         }
         progressed = true;
       } else if (w < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-        fail(std::string(kLostFrom) + std::strerror(errno) + "; the peer failed or exited) to",
-             sendTo);
+        fail(std::string(kLostFrom) + std::strerror(errno) + "; the peer failed or exited) to", s.member);
       }
     }
-    if (receiving) {
-      const Span& r = recv[recvIdx];
-      ssize_t got = ::recv(recvFd, r.data + recvOff, r.bytes - recvOff, MSG_DONTWAIT);
+    for (size_t i = 0; i < n; ++i) {
+      const Stream& s = streams[i];
+      Position& p = at[i];
+      if (s.out || p.idx >= s.spans->size()) continue;
+      const Span& r = (*s.spans)[p.idx];
+      ssize_t got = ::recv(p.fd, r.data + p.off, r.bytes - p.off, MSG_DONTWAIT);
       if (got > 0) {
-        recvOff += static_cast<size_t>(got);
-        received += static_cast<size_t>(got);
+        p.off += static_cast<size_t>(got);
+        p.moved += static_cast<size_t>(got);
         progressed = true;
-        if (onRecv) onRecv(received);
+        if (s.onRecv) s.onRecv(p.moved);
       } else if (got == 0) {
-        fail(kClosedBy, recvFrom);
+        fail(kClosedBy, s.member);
       } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-        fail(std::string(kLostFrom) + std::strerror(errno) + ") from", recvFrom);
+        fail(std::string(kLostFrom) + std::strerror(errno) + ") from", s.member);
       }
     }
     idle = !progressed;
@@ -346,17 +386,16 @@ void TcpLinks::exchange(int sendTo, const std::vector<Span>& send, int recvFrom,
       // within about a second of the first instead of each waiting out its own timeout.
       const std::string news = news_();
       if (!news.empty()) {
-        const int member = receiving ? recvFrom : sendTo;
         throw CommFailedError("rank " + std::to_string(opt_.rank) + " (this process): " +
                               (hasOp_ ? op_.what() : std::string("setup")) + ": stopped waiting for " +
-                              describe(member) + " because another rank failed: " + news);
+                              describe(named) + " because another rank failed: " + news);
       }
     }
     if (!progressed && secondsSince(lastProgress) > opt_.timeoutSec) {
       std::ostringstream why;
       why << "hit the " << opt_.timeoutSec << " s timeout with no progress "
           << (receiving ? "receiving from" : "sending to");
-      fail(why.str(), receiving ? recvFrom : sendTo,
+      fail(why.str(), named,
            std::string("it is stuck, stopped, or issued different collectives; ") + kRaiseTimeout.torchring +
                " if the work between collectives is that slow");
     }

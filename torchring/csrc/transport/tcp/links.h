@@ -134,6 +134,19 @@ class TcpLinks {
   void exchange(int sendTo, const std::vector<Span>& send, int recvFrom, const std::vector<Span>& recv,
                 const std::function<void(size_t)>& onRecv = nullptr,
                 const std::function<size_t()>& sendable = nullptr);
+  // One stream of bytes to or from one member, sent or filled in order (exchangeStreams).
+  // `spans` is the caller's: onRecv may change the spans still to come (the header exchange
+  // sizes the data once the summary before it is in).
+  struct Stream {
+    int member = -1;
+    bool out = false;  // sent to `member`, else received from it
+    const std::vector<Span>* spans = nullptr;
+    std::function<void(size_t)> onRecv;  // received: called with the bytes received so far
+    std::function<size_t()> sendable;    // sent: how many bytes may go so far (none: all)
+  };
+  // Moves every stream at once (a group of steps, schedule.h withNext); exchange() is its
+  // case of one stream each way.
+  void exchangeStreams(const std::vector<Stream>& streams);
   // ring.cpp: the ring allreduce as one stream each way (Algo::Ring).
   void ringAllreduce(char* data, size_t count, DType dtype, ReduceOp op, double scale, float* hostSum);
   // steps.cpp: `hostSum`, or for 16-bit floats without one `data` widened to float32 (what
@@ -149,7 +162,11 @@ class TcpLinks {
   // partial sums for 16-bit floats, rounded; else copied unless it is `data`), scaled once.
   static void finishOwned(const std::vector<Range>& owned, char* data, const char* work, DType dtype,
                           double scale);
-  // steps.cpp: any allreduce schedule, one step at a time, folding as bytes arrive.
+  // steps.cpp: the streams of steps [first, end) (units of `unit` bytes at `base`), a send and
+  // a receive each, their spans kept in `spans`.
+  static std::vector<Stream> streamsOf(const std::vector<Step>& steps, size_t first, size_t end, char* base,
+                                       size_t unit, std::vector<std::vector<Span>>& spans);
+  // steps.cpp: any allreduce schedule, one group of steps at a time, folding as bytes arrive.
   void stepAllreduce(const Schedule& schedule, char* data, size_t count, DType dtype, ReduceOp op,
                      double scale, float* hostSum);
   // Throws CommFailedError: "rank R (this process): <op>: <why> <the partner>; <advice>",

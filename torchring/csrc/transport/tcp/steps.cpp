@@ -1,12 +1,13 @@
 // The leaders' collectives (links.h): each runs the schedule its algorithm names
 // (schedule/schedule.h), step by step over the links, except the ring allreduce (ring.cpp).
 //
-// stepAllreduce: fold steps send units of the work buffer (float32 partial sums for 16-bit
-// floats, else the data itself) and receive into `scratch_`, folding received units into the
-// work buffer as whole segments arrive; a step whose send and receive ranges overlap
-// (doubling swaps the whole buffer) folds only after its send is done, so it never changes
-// bytes still to be sent. When the fold steps are over, the `owned` units are complete: they
-// are scaled (or rounded to 16 bits) once, into `data`, and the copy steps move `data`.
+// stepAllreduce: one group of steps (schedule.h withNext) at a time. Fold steps send units of
+// the work buffer (float32 partial sums for 16-bit floats, else the data itself) and receive
+// into `scratch_`, folding received units into the work buffer as whole segments arrive; a
+// step whose receive overlaps what its group sends (doubling swaps the whole buffer) folds
+// only after the sends are done, so it never changes bytes still to be sent. When the fold
+// steps are over, the `owned` units are complete: they are scaled (or rounded to 16 bits)
+// once, into `data`, and the copy steps move `data`.
 #include <algorithm>
 #include <cstring>
 
@@ -73,6 +74,25 @@ void TcpLinks::reduceScatter(char* data, size_t count, DType dtype, ReduceOp op,
   stepAllreduce(reduceScatterSchedule(members(), opt_.member, blocks), data, count, dtype, op, scale, hostSum);
 }
 
+std::vector<TcpLinks::Stream> TcpLinks::streamsOf(const std::vector<Step>& steps, size_t first, size_t end,
+                                                  char* base, size_t unit, std::vector<std::vector<Span>>& spans) {
+  spans.assign(2 * (end - first), {});
+  std::vector<Stream> streams;
+  for (size_t i = first; i < end; ++i) {
+    std::vector<Span>& out = spans[2 * (i - first)];
+    std::vector<Span>& in = spans[2 * (i - first) + 1];
+    out = spansOf(steps[i].send, base, unit);
+    in = spansOf(steps[i].recv, base, unit);
+    streams.push_back({steps[i].sendTo, true, &out, nullptr, nullptr});
+    streams.push_back({steps[i].recvFrom, false, &in, nullptr, nullptr});
+  }
+  return streams;
+}
+
+// A group of fold steps (schedule.h withNext) receives each step's bytes into its own part of
+// the scratch and folds whole segments as they arrive; a step that receives the same units as
+// the one before it folds no further than that one has (the group's order, so the sum's order
+// does not depend on which partner was faster).
 void TcpLinks::stepAllreduce(const Schedule& schedule, char* data, size_t count, DType dtype, ReduceOp op,
                              double scale, float* hostSum) {
   const bool half = isHalfFloat(dtype);
@@ -80,36 +100,70 @@ void TcpLinks::stepAllreduce(const Schedule& schedule, char* data, size_t count,
   const DType workType = half ? DType::F32 : dtype;
   const size_t esize = elementSize(workType), outSize = elementSize(dtype);
   const size_t segBytes = std::max(esize, opt_.segmentBytes / esize * esize);
+  const std::vector<Step>& steps = schedule.steps;
   bool finished = false;
   auto finish = [&] {  // the owned units are complete: scale or round them once
     finishOwned(schedule.owned, data, work, dtype, scale);
     finished = true;
   };
-  for (const Step& step : schedule.steps) {
-    if (!step.fold) {
+  std::vector<std::vector<Span>> spans;
+  for (size_t first = 0; first < steps.size();) {
+    const size_t end = groupEnd(steps, first), n = end - first;
+    if (!steps[first].fold) {
       if (!finished) finish();
-      exchange(step.sendTo, spansOf(step.send, data, outSize), step.recvFrom, spansOf(step.recv, data, outSize));
+      exchangeStreams(streamsOf(steps, first, end, data, outSize, spans));
+      first = end;
       continue;
     }
-    size_t bytes = 0;
-    for (const Range& r : step.recv) bytes += r.count * esize;
-    if (scratch_.size() < bytes) scratch_.resize(bytes);
-    // Folds received bytes [folded, upTo) of the scratch into the ranges they belong to.
-    size_t folded = 0;
-    auto foldUpTo = [&](size_t upTo) {
-      foldRanges(work, step.recv, scratch_.data(), workType, op, folded, upTo);
-      folded = std::max(folded, upTo);
+    std::vector<size_t> bytes(n), offset(n), received(n), folded(n);
+    std::vector<Range> sent;
+    size_t total = 0;
+    for (size_t k = 0; k < n; ++k) {
+      for (const Range& r : steps[first + k].recv) bytes[k] += r.count * esize;
+      offset[k] = total;
+      total += bytes[k];
+      sent.insert(sent.end(), steps[first + k].send.begin(), steps[first + k].send.end());
+    }
+    if (scratch_.size() < total) scratch_.resize(total);
+    // A step whose receive overlaps what the group sends (doubling swaps the whole buffer)
+    // folds only once the group's sends are done, so it never changes bytes still to be sent.
+    std::vector<bool> late(n);
+    for (size_t k = 0; k < n; ++k) late[k] = rangesOverlap(sent, steps[first + k].recv);
+    auto follows = [&](size_t k) {  // step k receives what step k - 1 receives
+      if (k == 0) return false;
+      const auto &a = steps[first + k].recv, &b = steps[first + k - 1].recv;
+      return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](const Range& x, const Range& y) {
+               return x.first == y.first && x.count == y.count;
+             });
     };
-    const bool foldLate = rangesOverlap(step.send, step.recv);
-    auto onRecv = [&](size_t received) {
-      if (foldLate) return;
-      const size_t upTo = received == bytes ? bytes : received / segBytes * segBytes;
-      if (upTo > folded) foldUpTo(upTo);
+    // Folds what may be folded of every step, in the group's order.
+    auto foldReady = [&](bool all) {
+      for (size_t k = 0; k < n; ++k) {
+        size_t upTo = all ? bytes[k]
+                      : late[k] ? 0
+                      : received[k] == bytes[k] ? bytes[k]
+                                                : received[k] / segBytes * segBytes;
+        if (follows(k)) upTo = std::min(upTo, folded[k - 1]);
+        if (upTo <= folded[k]) continue;
+        foldRanges(work, steps[first + k].recv, scratch_.data() + offset[k], workType, op, folded[k], upTo);
+        folded[k] = upTo;
+      }
     };
-    std::vector<Span> into;
-    if (step.recvFrom >= 0) into.push_back({scratch_.data(), bytes});
-    exchange(step.sendTo, spansOf(step.send, work, esize), step.recvFrom, into, onRecv);
-    foldUpTo(bytes);
+    // Sends from the work buffer; each receive into its own part of the scratch.
+    std::vector<Stream> streams = streamsOf(steps, first, end, work, esize, spans);
+    for (size_t k = 0; k < n; ++k) {
+      spans[2 * k + 1].clear();
+      if (steps[first + k].recvFrom >= 0 && bytes[k] > 0) {
+        spans[2 * k + 1].push_back({scratch_.data() + offset[k], bytes[k]});
+      }
+      streams[2 * k + 1].onRecv = [&, k](size_t got) {
+        received[k] = got;
+        foldReady(false);
+      };
+    }
+    exchangeStreams(streams);
+    foldReady(true);
+    first = end;
   }
   if (!finished) finish();
 }
