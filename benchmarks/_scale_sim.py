@@ -9,15 +9,17 @@ schedule (``allreduce_schedule``), or, for a Doubling or Rabenseifner allreduce 
 ride on the header exchange (``rides_on_headers``), its own schedule whose first steps carry the
 summaries (engine/fused.cpp). A step sends some bytes to
 one leader and receives some from one (either may be absent) at the same time, as
-torchring/csrc/schedule/schedule.h says; a delay step is a local stage (the host's
-shared-memory reduce before the leaders' part, its broadcast after).
+torchring/csrc/schedule/schedule.h says, and a step marked ``with_next`` runs at the same time
+as the next one (a group, as Radix4's three transfers of a level); a delay step is a local
+stage (the host's shared-memory reduce before the leaders' part, its broadcast after).
 
 Two engines run a plan and return every leader's finish time:
 - ``simulate`` (the default): a discrete-event flow simulator written here. Each leader has one
   NIC, full duplex: an uplink and a downlink of ``bandwidth`` bytes/s into one non-blocking
   switch, or, with ``leaf`` hosts per leaf switch, a two-level tree whose leaf-to-spine links
   carry ``leaf * bandwidth / oversub`` each way. A step starts when the leader's previous one has
-  ended; it spends ``overhead`` (s, software) on the leader, then its message spends
+  ended (a group: all its transfers start together, and it ends when all have; its folds add
+  up); it spends ``overhead`` (s, software) on the leader, then its message spends
   ``latency`` (D, the wire) before it enters the links, and moves at the max-min fair share
   of every link on its route (flows sharing a link share its bandwidth; rates are recomputed
   whenever a flow starts or ends). Sends are eager (TCP's buffers): a message flows even if
@@ -60,9 +62,10 @@ from typing import Any
 HEADER_BYTES = 144
 SUMMARY_BYTES = 8 + HEADER_BYTES
 
-# One leader-step: (send_to, recv_from, send_bytes, recv_bytes, folded_bytes, delay_seconds).
-# send_to / recv_from are leader indices or -1; a delay step has both -1 and only a delay.
-Step = tuple[int, int, int, int, int, float]
+# One leader-step: (send_to, recv_from, send_bytes, recv_bytes, folded_bytes, delay_seconds,
+# with_next). send_to / recv_from are leader indices or -1; a delay step has both -1 and only a
+# delay; with_next 1: the step runs at the same time as the next one (schedule.h withNext).
+Step = tuple[int, int, int, int, int, float, int]
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,7 @@ def allreduce_steps(E: Any, algo: str, hosts: int, count: int, esize: int) -> tu
     for me in range(hosts):
         steps = E.allreduce_schedule(algo, hosts, me, count)["steps"]
         out.append(tuple((s["send_to"], s["recv_from"], _bytes(s["send"], esize), _bytes(s["recv"], esize),
-                          _bytes(s["recv"], esize) if s["fold"] else 0, 0.0) for s in steps))
+                          _bytes(s["recv"], esize) if s["fold"] else 0, 0.0, int(s["with_next"])) for s in steps))
     return tuple(out)
 
 
@@ -132,7 +135,7 @@ def header_steps(E: Any, hosts: int) -> tuple[tuple[Step, ...], ...]:
     for me in range(hosts):
         steps = E.allreduce_schedule("doubling", hosts, me, 1)["steps"]
         out.append(tuple((s["send_to"], s["recv_from"], SUMMARY_BYTES if s["send_to"] >= 0 else 0,
-                          SUMMARY_BYTES if s["recv_from"] >= 0 else 0, 0, 0.0) for s in steps))
+                          SUMMARY_BYTES if s["recv_from"] >= 0 else 0, 0, 0.0, int(s["with_next"])) for s in steps))
     return tuple(out)
 
 
@@ -148,8 +151,8 @@ def carried_steps(E: Any, algo: str, hosts: int, count: int, esize: int) -> tupl
         core = len(head) - (1 if folds else 0)
         marked = set(range(core)) | ({len(steps) - 1} if folds else set())
         out.append(tuple((to, frm, sb + (SUMMARY_BYTES if i in marked and to >= 0 else 0),
-                          rb + (SUMMARY_BYTES if i in marked and frm >= 0 else 0), fb, delay)
-                         for i, (to, frm, sb, rb, fb, delay) in enumerate(steps)))
+                          rb + (SUMMARY_BYTES if i in marked and frm >= 0 else 0), fb, delay, joined)
+                         for i, (to, frm, sb, rb, fb, delay, joined) in enumerate(steps)))
     return tuple(out)
 
 
@@ -161,19 +164,39 @@ def plan(E: Any, algo: str, hosts: int, per_host: int, count: int, esize: int, s
     buffer (E.carry_seconds), reduces in the host, runs its schedule with the headers on its
     first steps (engine/fused.cpp), then the broadcast."""
     stage = shm.stage(count * esize, per_host)
-    shm_step: list[Step] = [(-1, -1, 0, 0, 0, stage)] if stage > 0 else []
+    shm_step: list[Step] = [(-1, -1, 0, 0, 0, stage, 0)] if stage > 0 else []
     if rides(E, algo, hosts, count, esize, net):
-        copy: Step = (-1, -1, 0, 0, 0, E.carry_seconds(count * esize, net.alpha, net.beta, net.gamma))
+        copy: Step = (-1, -1, 0, 0, 0, E.carry_seconds(count * esize, net.alpha, net.beta, net.gamma), 0)
         return [[copy] + shm_step + list(steps) + shm_step for steps in carried_steps(E, algo, hosts, count, esize)]
     head, body = header_steps(E, hosts), allreduce_steps(E, algo, hosts, count, esize)
     return [list(head[m]) + shm_step + list(body[m]) + shm_step for m in range(hosts)]
 
 
+def groups(steps: tuple[Step, ...] | list[Step]) -> list[list[Step]]:
+    """One leader's steps in their groups (steps joined by with_next run at once)."""
+    out: list[list[Step]] = []
+    joined = False
+    for step in steps:
+        if joined:
+            out[-1].append(step)
+        else:
+            out.append([step])
+        joined = bool(step[6])
+    return out
+
+
 def step_sum(steps: tuple[Step, ...] | list[Step], net: Net) -> float:
     """The cost model's rule along one leader's steps (schedule/cost.h scheduleSeconds): each
-    costs alpha + (the larger of its bytes sent and received)·beta + its folded bytes·gamma."""
-    return sum(delay if to < 0 and frm < 0 else net.alpha + max(sb, rb) * net.beta + fb * net.gamma
-               for to, frm, sb, rb, fb, delay in steps)
+    group costs alpha + (the larger of its bytes sent and received)·beta + its folded bytes·gamma."""
+    total = 0.0
+    for group in groups(steps):
+        to, frm, _, _, _, delay, _ = group[0]
+        if len(group) == 1 and to < 0 and frm < 0:
+            total += delay
+            continue
+        total += (net.alpha + max(sum(g[2] for g in group), sum(g[3] for g in group)) * net.beta
+                  + sum(g[4] for g in group) * net.gamma)
+    return total
 
 
 def closed_form(E: Any, algo: str, hosts: int, per_host: int, count: int, esize: int, net: Net,
@@ -272,8 +295,9 @@ def simulate(plans: list[list[Step]], net: Net, starts: list[float] | None = Non
     pos = [0] * hosts
     post = [0.0] * hosts  # when the current step's message was posted (after s)
     done = [0.0] * hosts  # the latest of the current step's parts that have ended
-    parts = [0] * hosts  # parts of the current step still running (send, receive)
-    wait_from = [-1] * hosts
+    parts = [0] * hosts  # parts of the current group still running (a send and a receive per step)
+    width = [1] * hosts  # steps in the current group
+    waiting: list[set[int]] = [set() for _ in range(hosts)]  # leaders the current group awaits a message from
     mail: dict[tuple[int, int], deque] = {}  # eager: arrival times of messages not yet received
     held: dict[tuple[int, int], tuple] = {}  # rendezvous: sends waiting for their receive
     finish = [0.0] * hosts
@@ -284,9 +308,9 @@ def simulate(plans: list[list[Step]], net: Net, starts: list[float] | None = Non
         done[m] = max(done[m], t)
         parts[m] -= 1
         if parts[m] == 0:
-            step = plans[m][pos[m]]
-            pos[m] += 1
-            push(done[m] + net.gamma * step[4], STEP, m)
+            folded = sum(step[4] for step in plans[m][pos[m]:pos[m] + width[m]])
+            pos[m] += width[m]
+            push(done[m] + net.gamma * folded, STEP, m)
 
     for m in range(hosts):
         push(starts[m] if starts else 0.0, STEP, m)
@@ -303,34 +327,45 @@ def simulate(plans: list[list[Step]], net: Net, starts: list[float] | None = Non
             if pos[m] == len(plans[m]):
                 finish[m] = t
                 continue
-            to, frm, sbytes, rbytes, _, delay = plans[m][pos[m]]
-            if to < 0 and frm < 0:
+            end = pos[m] + 1
+            while plans[m][end - 1][6] and end < len(plans[m]):
+                end += 1
+            group = plans[m][pos[m]:end]
+            width[m] = len(group)
+            to, frm, _, _, _, delay, _ = group[0]
+            if width[m] == 1 and to < 0 and frm < 0:
                 parts[m], done[m] = 1, t
                 part_done(m, t + (delay if delay > 0 else net.overhead))
                 continue
             post[m] = t0 = t + net.overhead
-            done[m], parts[m] = t0, 2
-            if to >= 0 and sbytes > 0:
-                flow = _Flow(m, to, route(m, to), sbytes)
-                if net.eager:
-                    push(t0 + net.latency, START, flow)
-                elif wait_from[to] == m:  # rendezvous: the receive is posted
-                    push(max(t0, post[to]) + net.latency, START, flow)
+            done[m], parts[m] = t0, 2 * width[m]
+            # Every send first, then the receives: a part that ends at once must not end the
+            # group before the others have started.
+            parts[m] += 1
+            for to, frm, sbytes, rbytes, _, _, _ in group:
+                if to >= 0 and sbytes > 0:
+                    flow = _Flow(m, to, route(m, to), sbytes)
+                    if net.eager:
+                        push(t0 + net.latency, START, flow)
+                    elif m in waiting[to]:  # rendezvous: the receive is posted
+                        push(max(t0, post[to]) + net.latency, START, flow)
+                    else:
+                        held[(m, to)] = (t0, flow)
                 else:
-                    held[(m, to)] = (t0, flow)
-            else:
-                part_done(m, t0)
-            if frm >= 0 and rbytes > 0:
-                box = mail.get((frm, m))
-                if box:
-                    part_done(m, max(t0, box.popleft()))
+                    part_done(m, t0)
+            for to, frm, sbytes, rbytes, _, _, _ in group:
+                if frm >= 0 and rbytes > 0:
+                    box = mail.get((frm, m))
+                    if box:
+                        part_done(m, max(t0, box.popleft()))
+                    else:
+                        waiting[m].add(frm)
+                        if (frm, m) in held:
+                            t1, flow = held.pop((frm, m))
+                            push(max(t0, t1) + net.latency, START, flow)
                 else:
-                    wait_from[m] = frm
-                    if (frm, m) in held:
-                        t1, flow = held.pop((frm, m))
-                        push(max(t0, t1) + net.latency, START, flow)
-            else:
-                part_done(m, t0)
+                    part_done(m, t0)
+            part_done(m, t0)
         elif kind == START:
             f = a
             f.since = t
@@ -345,8 +380,8 @@ def simulate(plans: list[list[Step]], net: Net, starts: list[float] | None = Non
                 on_link[l].discard(f)
                 dirty.add(l)
             part_done(f.src, t)
-            if wait_from[f.dst] == f.src:
-                wait_from[f.dst] = -1
+            if f.src in waiting[f.dst]:
+                waiting[f.dst].discard(f.src)
                 part_done(f.dst, max(post[f.dst], t))
             else:
                 mail.setdefault((f.src, f.dst), deque()).append(t)
@@ -450,21 +485,26 @@ def _simgrid_main() -> None:
             sg.this_actor.yield_()  # every leader's mailboxes are eager before anyone sends
         if job["starts"][me] > 0:
             sg.this_actor.sleep_for(job["starts"][me])
-        for to, frm, sbytes, rbytes, folded, delay in plans[me]:
-            if to < 0 and frm < 0:
+        for group in groups(plans[me]):
+            to, frm, _, _, _, delay, _ = group[0]
+            if len(group) == 1 and to < 0 and frm < 0:
                 sg.this_actor.sleep_for(delay if delay > 0 else s)
                 continue
             if s > 0:
                 sg.this_actor.sleep_for(s)
-            comms, landing = [], None
-            if to >= 0 and sbytes > 0:
-                comms.append(sg.Mailbox.by_name(f"{me}>{to}").put_async(me, sbytes))
-            if frm >= 0 and rbytes > 0:
-                comm, landing = sg.Mailbox.by_name(f"{frm}>{me}").get_async()  # landing: where the
-                comms.append(comm)  # payload lands; it must outlive the comm
+            comms, landings = [], []
+            for to, frm, sbytes, rbytes, _, _, _ in group:
+                if to >= 0 and sbytes > 0:
+                    comms.append(sg.Mailbox.by_name(f"{me}>{to}").put_async(me, sbytes))
+            for to, frm, sbytes, rbytes, _, _, _ in group:
+                if frm >= 0 and rbytes > 0:
+                    comm, landing = sg.Mailbox.by_name(f"{frm}>{me}").get_async()  # landing: where the
+                    comms.append(comm)  # payload lands; it must outlive the comm
+                    landings.append(landing)
             for c in comms:
                 c.wait()
-            del landing
+            del landings
+            folded = sum(step[4] for step in group)
             if folded > 0 and gamma > 0:
                 sg.this_actor.sleep_for(gamma * folded)
         finish[me] = sg.Engine.clock

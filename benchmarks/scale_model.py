@@ -77,7 +77,7 @@ import _scale_sim as sim  # noqa: E402
 from _harness import common_args, finish, machine_info, print_header  # noqa: E402
 from _sizes import fmt_size, parse_size  # noqa: E402
 
-MARK = {"ring": "r", "doubling": "d", "rabenseifner": "h"}  # h: recursive halving + doubling
+MARK = {"ring": "r", "doubling": "d", "rabenseifner": "h", "radix4": "q"}  # h: halving + doubling; q: radix 4
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp64": 8, "float64": 8, "bf16": 2, "bfloat16": 2, "fp16": 2,
                "float16": 2}
 DEFAULT_SIZES = ",".join(str(4 ** k) for k in range(1, 15))  # 4 B .. 256 MiB
@@ -85,7 +85,7 @@ QUICK_SIZES = ",".join(str(4 * 16 ** k) for k in range(7))  # 4 B .. 64 MiB
 
 
 def _mark(algo: str) -> str:
-    """The table's letter for an algorithm: r, d, h (all halvings), hK (K halvings, then doubling)."""
+    """The table's letter for an algorithm: r, d, h (all halvings), hK (K halvings, then doubling), q (Radix4)."""
     word, _, levels = algo.partition(":")
     return MARK[word] + levels
 
@@ -149,7 +149,7 @@ def print_projection(rows: list[dict], goal: float) -> None:
     at = {(r["hosts"], r["rate_gbit"], r["latency_us"], r["bytes"]): r for r in rows}
     for label in ("choice", "ring"):
         print(f"\n{label} / bound (cross-host time: header exchange + algorithm; "
-              f"{'letter = algorithm chosen: r ring, d doubling, h Rabenseifner, hK its K halvings; ' if label == 'choice' else ''}"
+              f"{'letter = algorithm chosen: r ring, d doubling, h Rabenseifner, hK its K halvings, q radix4; ' if label == 'choice' else ''}"
               f"* = above {goal})")
         print("| hosts | Gbit/s | D µs | " + " | ".join(fmt_size(n) for n in sizes) + " |")
         print("|---|---|---|" + "---|" * len(sizes))

@@ -37,8 +37,8 @@ def _sends(pairs: list[tuple[int, int, int]], hosts: int) -> list[list[sim.Step]
     """One message per (src, dst, bytes): the source sends, the destination receives, one step each."""
     plans: list[list[sim.Step]] = [[] for _ in range(hosts)]
     for src, dst, n in pairs:
-        plans[src].append((dst, -1, n, 0, 0, 0.0))
-        plans[dst].append((-1, src, 0, n, 0, 0.0))
+        plans[src].append((dst, -1, n, 0, 0, 0.0, 0))
+        plans[dst].append((-1, src, 0, n, 0, 0.0, 0))
     return plans
 
 
@@ -122,6 +122,22 @@ def test_rabenseifner_carries_the_headers_on_its_halvings() -> None:
     assert [len(p) for p in sim.plan(ENGINE, "rabenseifner:1", 4, 1, 1000, 4, sim.Shm(), NET)] == [1 + 3] * 4
 
 
+def test_radix4_groups_share_the_links() -> None:
+    """Four hosts, 4000 bytes under Radix4: the header exchange (two steps), then one group
+    that sends a quarter to each of the three others at once (their flows share the uplink and
+    the downlink: 3000 bytes through each) and folds the three quarters it receives, and one
+    group back. Two alphas for the allreduce where Rabenseifner pays four."""
+    net = sim.Net(bandwidth=B, latency=D, overhead=S, gamma=0.2e-9)
+    plans = sim.plan(ENGINE, "radix4", 4, 1, 1000, 4, sim.Shm(), net)
+    assert [len(sim.groups(p)) for p in plans] == [2 + 2] * 4 and [len(p) for p in plans] == [2 + 6] * 4
+    by_hand = 2 * (S + D) + 2 * sim.SUMMARY_BYTES / B + 2 * (S + D) + 2 * 3000 / B + 3000 * 0.2e-9
+    assert all(_close(f, by_hand) for f in sim.simulate(plans, net)), (sim.simulate(plans, net), by_hand)
+    assert _close(sum(sim.closed_form(ENGINE, "radix4", 4, 1, 1000, 4, net, sim.Shm()).values()), by_hand)
+    # With rendezvous sends too: each group's three flows start once all three receives are posted.
+    lazy = sim.Net(bandwidth=B, latency=D, overhead=S, gamma=0.2e-9, eager=False)
+    assert all(_close(f, by_hand) for f in sim.simulate(plans, lazy))
+
+
 def test_shared_memory_stages_bracket_the_leaders() -> None:
     shm = sim.Shm(a=5e-6, bw=10e9)
     alone = max(sim.simulate(sim.plan(ENGINE, "rabenseifner", 4, 1, 1000, 4, shm, NET), NET))
@@ -147,6 +163,10 @@ def test_simgrid_agrees(eager: bool) -> None:
     assert all(_close(f, g) for f, g in zip(flow, grid)), (flow, grid)
     shared = _sends([(0, 2, N), (1, 2, N // 2)], 3)
     assert all(_close(f, g) for f, g in zip(sim.simulate(shared, net), sim.simulate_simgrid(shared, net)))
+    # Radix4 on 6 hosts: groups of three transfers at once, and a fold in and out.
+    groups = sim.plan(ENGINE, "radix4", 6, 1, 100_000, 4, sim.Shm(), net)
+    flow, grid = sim.simulate(groups, net), sim.simulate_simgrid(groups, net)
+    assert all(_close(f, g) for f, g in zip(flow, grid)), (flow, grid)
 
 
 def test_constants_are_the_engines(tmp_path) -> None:
