@@ -201,17 +201,17 @@ def wire(comm: Any, store: dist.Store, prefix: str, rank: int, master_addr: str,
 
 def _agree_link_cost(comm: Any, store: dist.Store, prefix: str, rank: int, hosts: int,
                      timeout: float) -> None:
-    """Every leader measures its links (alpha, beta) and host (gamma); every rank of the job
-    then sets the largest of each, so every rank's cost model chooses the same algorithms."""
+    """Every leader measures its links (alpha, beta, alpha_group) and host (gamma); every rank of
+    the job then sets the largest of each, so every rank's cost model chooses the same algorithms."""
     if comm.is_leader:
         store.set(prefix + f"links/{comm.host_index}", json.dumps(comm.measure_links()))
         if comm.host_index == 0:
             costs = [json.loads(get(store, prefix + f"links/{h}", rank, f"host {h}'s link measurement",
                                     timeout)) for h in range(hosts)]
-            store.set(prefix + "links/agreed", json.dumps([max(c[i] for c in costs) for i in range(3)]))
-    alpha, beta, gamma = json.loads(get(store, prefix + "links/agreed", rank,
-                                        "the leaders' link measurements", timeout))
-    comm.set_link_cost(alpha, beta, gamma)
+            store.set(prefix + "links/agreed", json.dumps([max(c[i] for c in costs) for i in range(4)]))
+    alpha, beta, gamma, alpha_group = json.loads(get(store, prefix + "links/agreed", rank,
+                                                     "the leaders' link measurements", timeout))
+    comm.set_link_cost(alpha, beta, gamma, alpha_group)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Which algorithm runs among hosts, and the cost model that chose it.
 
     torchring.algorithm(torch.empty(2048))   # "doubling" on 16 hosts, "" on one host
-    torchring.link_cost()                    # {"alpha": 2.1e-4, "beta": 8.1e-9, "gamma": 2e-10}
+    torchring.link_cost()                    # {"alpha": 2.1e-4, "beta": 8.1e-9, "gamma": 2e-10, "alpha_group": 3e-4}
 
 The leaders measure their links when they connect (alpha: seconds per step, beta: seconds per
 byte, gamma: seconds per byte reduced; the job takes the largest of each), and every allreduce
@@ -24,6 +24,6 @@ def algorithm(tensor: torch.Tensor, group: GroupBase | None = None) -> str:
 
 
 def link_cost(group: GroupBase | None = None) -> dict[str, float]:
-    """The cost model's figures the job agreed on: alpha (s/step), beta (s/byte), gamma (s/byte reduced)."""
-    alpha, beta, gamma = target(group, "link_cost").comm.link_cost
-    return {"alpha": alpha, "beta": beta, "gamma": gamma}
+    """The cost model's agreed figures: alpha (s/step), beta (s/byte), gamma (s/byte reduced), alpha_group."""
+    alpha, beta, gamma, alpha_group = target(group, "link_cost").comm.link_cost
+    return {"alpha": alpha, "beta": beta, "gamma": gamma, "alpha_group": alpha_group}

@@ -301,13 +301,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
               py::gil_scoped_release release;
               cost = c.measureLinks();
             }
-            return py::make_tuple(cost.alpha, cost.beta, cost.gamma);
+            return py::make_tuple(cost.alpha, cost.beta, cost.gamma, groupAlpha(cost));
           },
-          "(alpha, beta, gamma) of this leader's links and host (every leader at once)")
+          "(alpha, beta, gamma, alpha_group) of this leader's links and host (every leader at once)")
       .def(
           "set_link_cost",
-          [](Communicator& c, double alpha, double beta, double gamma) { c.setLinkCost({alpha, beta, gamma}); },
-          py::arg("alpha"), py::arg("beta"), py::arg("gamma"))
+          [](Communicator& c, double alpha, double beta, double gamma, double alphaGroup) {
+            c.setLinkCost({alpha, beta, gamma, alphaGroup});
+          },
+          py::arg("alpha"), py::arg("beta"), py::arg("gamma"), py::arg("alpha_group") = 0.0)
       .def("allreduce_algorithm", &Communicator::allreduceAlgoOf, py::arg("tensor"))
       .def_property("algo", &Communicator::forcedAlgo, &Communicator::setForcedAlgo,
                     "the forced algorithm among hosts (ALGOS index, 0: auto); set only between operations")
@@ -316,7 +318,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("link_cost",
                              [](const Communicator& c) {
                                const auto& cost = c.linkCost();
-                               return py::make_tuple(cost.alpha, cost.beta, cost.gamma);
+                               return py::make_tuple(cost.alpha, cost.beta, cost.gamma, groupAlpha(cost));
                              })
       .def("start", &Communicator::start)
       .def(

@@ -132,32 +132,37 @@ void bindSchedules(py::module_& m) {
         "the members `me` keeps a connection to");
   m.def(
       "allreduce_seconds",
-      [](const std::string& algo, int members, size_t count, size_t esize, double alpha, double beta, double gamma) {
+      [](const std::string& algo, int members, size_t count, size_t esize, double alpha, double beta, double gamma,
+         double alphaGroup) {
         const AllreduceChoice c = choiceNamed(algo);
-        return allreduceSeconds(c.algo, members, count, esize, {alpha, beta, gamma}, c.levels);
+        return allreduceSeconds(c.algo, members, count, esize, {alpha, beta, gamma, alphaGroup}, c.levels);
       },
       py::arg("algo"), py::arg("members"), py::arg("count"), py::arg("esize"), py::arg("alpha"), py::arg("beta"),
-      py::arg("gamma"), "the cost model's seconds for the slowest member");
+      py::arg("gamma"), py::arg("alpha_group") = 0.0,
+      "the cost model's seconds for the slowest member (alpha_group 0: alpha)");
   m.def(
       "schedule_seconds",
       [](const std::string& kind, const std::string& algo, int members, int me, size_t count, size_t unitBytes,
-         double alpha, double beta, double gamma) {
+         double alpha, double beta, double gamma, double alphaGroup) {
         checkMember(members, me);
         const AllreduceChoice c = kind == "allreduce" ? choiceNamed(algo) : AllreduceChoice{algoNamed(algo), 0};
         Schedule s = kind == "allreduce" ? allreduceSchedule(c.algo, members, me, count, c.levels)
                                          : allgatherSchedule(c.algo, members, me);
-        return scheduleSeconds(s, {unitBytes}, {alpha, beta, gamma});
+        return scheduleSeconds(s, {unitBytes}, {alpha, beta, gamma, alphaGroup});
       },
       py::arg("kind"), py::arg("algo"), py::arg("members"), py::arg("me"), py::arg("count"), py::arg("unit_bytes"),
-      py::arg("alpha"), py::arg("beta"), py::arg("gamma"), "the cost model summed over one member's steps");
+      py::arg("alpha"), py::arg("beta"), py::arg("gamma"), py::arg("alpha_group") = 0.0,
+      "the cost model summed over one member's steps (alpha_group 0: alpha)");
   m.def(
       "choose_allreduce",
       [](const std::string& forced, int members, size_t count, size_t esize, double alpha, double beta,
-         double gamma) {
-        return choiceName(chooseAllreduce(choiceNamed(forced), members, count, esize, {alpha, beta, gamma}));
+         double gamma, double alphaGroup) {
+        return choiceName(
+            chooseAllreduce(choiceNamed(forced), members, count, esize, {alpha, beta, gamma, alphaGroup}));
       },
       py::arg("forced"), py::arg("members"), py::arg("count"), py::arg("esize"), py::arg("alpha"), py::arg("beta"),
-      py::arg("gamma"), "the algorithm the engine runs for this allreduce (\"rabenseifner:K\": K halvings)");
+      py::arg("gamma"), py::arg("alpha_group") = 0.0,
+      "the algorithm the engine runs for this allreduce (\"rabenseifner:K\": K halvings; alpha_group 0: alpha)");
   m.def(
       "rides_on_headers",
       [](const std::string& algo, int members, size_t count, size_t esize, double alpha, double beta,

@@ -7,8 +7,8 @@
 //                  of the n/2^k window (sent and folded), k steps back (..., n/4, n/2 sent)
 //   radix4:        fold + per level of radix r on a window of w bytes, a group there (sends
 //                  and folds (r - 1)·w/r) and a group back (sends (r - 1)·w/r)
-// A group of steps that run at once (schedule.h withNext) costs one alpha: its transfers
-// share the leader's link (their bytes add up) and its folds add up.
+// A group of steps that run at once (schedule.h withNext) costs one alphaGroup (groupAlpha):
+// its transfers share the leader's link (their bytes add up) and its folds add up.
 // A chunk or block is the largest one (count split as chunkOf), so uneven splits cost what
 // the slowest member pays.
 #include "schedule/cost.h"
@@ -32,15 +32,17 @@ double scheduleSeconds(const Schedule& schedule, const std::vector<size_t>& unit
   };
   double seconds = 0;
   const auto& steps = schedule.steps;
-  for (size_t i = 0; i < steps.size();) {
-    const size_t end = groupEnd(steps, i);
+  for (size_t first = 0; first < steps.size();) {
+    const size_t end = groupEnd(steps, first);
     double sent = 0, received = 0, folded = 0;
-    for (; i < end; ++i) {
+    for (size_t i = first; i < end; ++i) {
       sent += bytesOf(steps[i].send);
       received += bytesOf(steps[i].recv);
       if (steps[i].fold) folded += bytesOf(steps[i].recv);
     }
-    seconds += cost.alpha + std::max(sent, received) * cost.beta + folded * cost.gamma;
+    seconds += (end - first > 1 ? groupAlpha(cost) : cost.alpha) + std::max(sent, received) * cost.beta +
+               folded * cost.gamma;
+    first = end;
   }
   return seconds;
 }
@@ -73,8 +75,8 @@ double allreduceSeconds(Algo algo, int members, size_t count, size_t esize, cons
       const double block = static_cast<double>(chunkOf(count, p2, 0).count * esize);
       double levels = 0, window = block * p2;
       for (const auto& [shift, radix] : radixLevels(members)) {
-        const double moved = window / radix * (radix - 1);
-        levels += 2 * a + 2 * moved * b + moved * g;
+        const double moved = window / radix * (radix - 1), latency = radix > 2 ? groupAlpha(cost) : a;
+        levels += 2 * latency + 2 * moved * b + moved * g;
         window /= radix;
       }
       return fold + levels;

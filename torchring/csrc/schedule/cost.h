@@ -1,6 +1,6 @@
 // The cost model that picks a cross-host algorithm per operation: each step of a schedule
 // (schedule.h) costs alpha + (the larger of the bytes it sends and receives)·beta + (the
-// bytes it folds)·gamma, steps add up (a group of steps that run at once: one alpha, its
+// bytes it folds)·gamma, steps add up (a group of steps that run at once: one alphaGroup, its
 // bytes and folds added up). The closed forms below are that sum along the slowest
 // member's steps (tests/unit/engine_rules checks them against the schedules themselves);
 // choose*() takes the cheapest. alpha and beta are measured on the leaders' links when they
@@ -33,7 +33,13 @@ struct LinkCost {
   double alpha = 50e-6;  // seconds one step costs whatever its size (latency, wake-ups, calls)
   double beta = 1e-9;    // seconds per byte through one leader's link (1 / bandwidth)
   double gamma = 0.5e-9;  // seconds per byte folded (the reduction kernel)
+  // Seconds a group of steps that run at once (Radix4's three transfers) costs whatever its
+  // size; 0: alpha (the latencies overlap and the calls are few). Measured apart, as the three
+  // messages' calls and wake-ups add up where the leaders' CPUs, not the wire, set the time.
+  double alphaGroup = 0;
 };
+// alphaGroup, or alpha when it is not set.
+inline double groupAlpha(const LinkCost& cost) { return cost.alphaGroup > 0 ? cost.alphaGroup : cost.alpha; }
 
 // Seconds `schedule` takes on its member: the sum of its steps' costs.
 double scheduleSeconds(const Schedule& schedule, const std::vector<size_t>& unitBytes, const LinkCost& cost);

@@ -200,17 +200,46 @@ LinkCost TcpLinks::measure() {
   // Blocks of runs, not single runs: members that start a run apart by more than a step
   // settle into runs that alternately take no time (the partner's message is already there)
   // and two steps (it waits a round trip), so a single run's time says little; a block of an
-  // even number of runs takes what the runs take on average. The median block, per step.
-  doubling();
-  constexpr int kBlocks = 5, kRunsPerBlock = 8;
-  std::vector<double> blocks;
-  for (int b = 0; b < kBlocks; ++b) {
-    const auto t0 = Clock::now();
-    for (int i = 0; i < kRunsPerBlock; ++i) doubling();
-    blocks.push_back(secondsSince(t0) / kRunsPerBlock);
+  // even number of runs takes what the runs take on average. The median block, per run.
+  auto perRun = [](const std::function<void()>& run) {
+    run();
+    constexpr int kBlocks = 5, kRunsPerBlock = 8;
+    std::vector<double> blocks;
+    for (int b = 0; b < kBlocks; ++b) {
+      const auto t0 = Clock::now();
+      for (int i = 0; i < kRunsPerBlock; ++i) run();
+      blocks.push_back(secondsSince(t0) / kRunsPerBlock);
+    }
+    std::nth_element(blocks.begin(), blocks.begin() + kBlocks / 2, blocks.end());
+    return blocks[kBlocks / 2];
+  };
+  cost.alpha = perRun(doubling) / static_cast<double>(longest);
+  // alphaGroup: the same with Radix4's schedule, 8-byte messages (every transfer of a group at
+  // once), per group of three once its plain steps (the fold, a radix-2 level) are taken out at
+  // alpha. Without a radix-4 level (fewer than 4 members) there is no group to measure.
+  int groups = 0, plain = members() > powerOfTwoBelow(members()) ? 2 : 0;
+  for (const auto& [shift, radix] : radixLevels(members())) (radix > 2 ? groups : plain) += 2;
+  if (groups > 0) {
+    const auto radixSteps = allreduceSchedule(Algo::Radix4, members(), opt_.member, 1).steps;
+    std::vector<std::vector<Span>> spans;
+    auto radix = [&] {
+      for (size_t first = 0; first < radixSteps.size();) {
+        const size_t end = groupEnd(radixSteps, first);
+        spans.assign(2 * (end - first), {});
+        std::vector<Stream> streams;
+        for (size_t i = first; i < end; ++i) {
+          const Step& step = radixSteps[i];
+          if (step.sendTo >= 0) spans[2 * (i - first)].push_back({out, sizeof(out)});
+          if (step.recvFrom >= 0) spans[2 * (i - first) + 1].push_back({in, sizeof(in)});
+          streams.push_back({step.sendTo, true, &spans[2 * (i - first)], nullptr, nullptr});
+          streams.push_back({step.recvFrom, false, &spans[2 * (i - first) + 1], nullptr, nullptr});
+        }
+        exchangeStreams(streams);
+        first = end;
+      }
+    };
+    cost.alphaGroup = std::max(1e-9, (perRun(radix) - plain * cost.alpha) / groups);
   }
-  std::nth_element(blocks.begin(), blocks.begin() + kBlocks / 2, blocks.end());
-  cost.alpha = blocks[kBlocks / 2] / static_cast<double>(longest);
   constexpr size_t kProbe = 1 << 20;
   cost.beta = std::max(1e-12, (rounds(kProbe, 3) - cost.alpha) / kProbe);
   // gamma: one float32 sum of the probe's size on this host.
