@@ -19,7 +19,8 @@ Two engines run a plan and return every leader's finish time:
   switch, or, with ``leaf`` hosts per leaf switch, a two-level tree whose leaf-to-spine links
   carry ``leaf * bandwidth / oversub`` each way. A step starts when the leader's previous one has
   ended (a group: all its transfers start together, and it ends when all have; its folds add
-  up); it spends ``overhead`` (s, software) on the leader, then its message spends
+  up; it spends ``group_extra`` more software time before its messages, the cost model's
+  alphaGroup - alpha); it spends ``overhead`` (s, software) on the leader, then its message spends
   ``latency`` (D, the wire) before it enters the links, and moves at the max-min fair share
   of every link on its route (flows sharing a link share its bandwidth; rates are recomputed
   whenever a flow starts or ends). Sends are eager (TCP's buffers): a message flows even if
@@ -79,11 +80,17 @@ class Net:
     leaf: int = 0  # hosts per leaf switch; 0: one non-blocking switch
     oversub: float = 1.0  # leaf switches' oversubscription (1: full bisection)
     eager: bool = True  # a message flows when sent (TCP's buffers); False: once its receive is posted
+    group_extra: float = 0.0  # seconds a group of steps that run at once costs beyond one step's s
 
     @property
     def alpha(self) -> float:
         """The cost model's alpha: seconds per step whatever its size (D + s)."""
         return self.latency + self.overhead
+
+    @property
+    def alpha_group(self) -> float:
+        """The cost model's alphaGroup: seconds per group of transfers at once (D + s + the extra)."""
+        return self.alpha + self.group_extra
 
     @property
     def beta(self) -> float:
@@ -194,7 +201,8 @@ def step_sum(steps: tuple[Step, ...] | list[Step], net: Net) -> float:
         if len(group) == 1 and to < 0 and frm < 0:
             total += delay
             continue
-        total += (net.alpha + max(sum(g[2] for g in group), sum(g[3] for g in group)) * net.beta
+        total += ((net.alpha_group if len(group) > 1 else net.alpha)
+                  + max(sum(g[2] for g in group), sum(g[3] for g in group)) * net.beta
                   + sum(g[4] for g in group) * net.gamma)
     return total
 
@@ -205,7 +213,7 @@ def closed_form(E: Any, algo: str, hosts: int, per_host: int, count: int, esize:
     (E.allreduce_seconds), "header" what the header exchange adds to it (the step rule along its
     slowest leader; for an allreduce riding on it, its summaries' bytes and its copy), "shm" the
     stages."""
-    alone = E.allreduce_seconds(algo, hosts, count, esize, net.alpha, net.beta, net.gamma)
+    alone = E.allreduce_seconds(algo, hosts, count, esize, net.alpha, net.beta, net.gamma, net.alpha_group)
     if rides(E, algo, hosts, count, esize, net):
         head = (max(step_sum(s, net) for s in carried_steps(E, algo, hosts, count, esize)) - alone
                 + E.carry_seconds(count * esize, net.alpha, net.beta, net.gamma))
@@ -337,7 +345,7 @@ def simulate(plans: list[list[Step]], net: Net, starts: list[float] | None = Non
                 parts[m], done[m] = 1, t
                 part_done(m, t + (delay if delay > 0 else net.overhead))
                 continue
-            post[m] = t0 = t + net.overhead
+            post[m] = t0 = t + net.overhead + (net.group_extra if width[m] > 1 else 0.0)
             done[m], parts[m] = t0, 2 * width[m]
             # Every send first, then the receives: a part that ends at once must not end the
             # group before the others have started.
@@ -448,6 +456,7 @@ def simulate_simgrid(plans: list[list[Step]], net: Net, starts: list[float] | No
     if net.leaf and net.leaf < len(plans):
         raise ValueError("the SimGrid replay models one non-blocking switch only (leaf = 0)")
     job = {"plans": plans, "bandwidth": net.bandwidth, "latency": net.latency, "overhead": net.overhead,
+           "group_extra": net.group_extra,
            "gamma": net.gamma, "eager": net.eager, "starts": starts or [0.0] * len(plans)}
     out = subprocess.run([exe, __file__], input=json.dumps(job), capture_output=True, text=True, timeout=timeout)
     if out.returncode != 0:
@@ -490,8 +499,9 @@ def _simgrid_main() -> None:
             if len(group) == 1 and to < 0 and frm < 0:
                 sg.this_actor.sleep_for(delay if delay > 0 else s)
                 continue
-            if s > 0:
-                sg.this_actor.sleep_for(s)
+            busy = s + (job["group_extra"] if len(group) > 1 else 0.0)
+            if busy > 0:
+                sg.this_actor.sleep_for(busy)
             comms, landings = [], []
             for to, frm, sbytes, rbytes, _, _, _ in group:
                 if to >= 0 and sbytes > 0:

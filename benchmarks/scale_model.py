@@ -122,14 +122,15 @@ def project(E: Any, a: argparse.Namespace) -> list[dict]:
         for rate in map(float, a.rates.split(",")):
             for lat in map(float, a.latency_us.split(",")):
                 net = sim.Net(rate * 1e9 / 8, lat * 1e-6, a.overhead_us * 1e-6, a.gamma_ns * 1e-9, a.leaf,
-                              a.oversub, not a.rendezvous)
+                              a.oversub, not a.rendezvous, a.group_extra_us * 1e-6)
                 for nbytes in map(parse_size, a.sizes.split(",")):
                     count = max(1, nbytes // a.esize)
                     bound = sim.lower_bound(hosts, count * a.esize, net)
                     row = {"hosts": hosts, "per_host": a.per_host, "rate_gbit": rate, "latency_us": lat,
                            "overhead_us": a.overhead_us, "alpha_us": net.alpha * 1e6, "bytes": count * a.esize,
                            "bound_s": bound}
-                    choice = E.choose_allreduce("auto", hosts, count, a.esize, net.alpha, net.beta, net.gamma)
+                    choice = E.choose_allreduce("auto", hosts, count, a.esize, net.alpha, net.beta, net.gamma,
+                                                net.alpha_group)
                     for label, algo in (("choice", choice), ("ring", "ring")):
                         secs, engine = run_point(E, a, algo, hosts, a.per_host, count, a.esize, net, shm)
                         closed = sim.closed_form(E, algo, hosts, a.per_host, count, a.esize, net, shm)
@@ -245,9 +246,11 @@ def validate(E: Any, a: argparse.Namespace, measured: list[dict]) -> list[dict]:
         lat = (m.get("latency_us") or 0.0) * 1e-6
         s = a.overhead_us * 1e-6 if a.overhead_explicit else max(m["alpha"] - lat, 0.0)
         bw = m["rate_bits"] / 8 if m.get("rate_bits") else 1.0 / m["beta"]
-        net = sim.Net(bw, lat, s, m["gamma"], 0, 1.0, not a.rendezvous)
+        extra = max(m.get("alpha_group", m["alpha"]) - m["alpha"], 0.0)  # what a group costs beyond a step
+        net = sim.Net(bw, lat, s, m["gamma"], 0, 1.0, not a.rendezvous, extra)
         forced = m["algo"]
-        algo = m.get("chosen") or E.choose_allreduce(forced, hosts, count, esize, m["alpha"], m["beta"], m["gamma"])
+        algo = m.get("chosen") or E.choose_allreduce(forced, hosts, count, esize, m["alpha"], m["beta"], m["gamma"],
+                                                     net.alpha_group)
         pred, engine = run_point(E, a, algo, hosts, per_host, count, esize, net, shm)
         closed = sum(sim.closed_form(E, algo, hosts, per_host, count, esize, net, shm).values())
         rows.append({"hosts": hosts, "per_host": per_host, "bytes": nbytes, "algo": forced, "ran": algo,
@@ -279,6 +282,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--overhead-us", type=float, default=None,
                    help="software cost s per step, µs (default 20; --validate: the row's alpha - D)")
     p.add_argument("--gamma-ns", type=float, default=0.1, help="fold cost, ns per byte (default 0.1)")
+    p.add_argument("--group-extra-us", type=float, default=0.0,
+                   help="what a group of transfers at once costs beyond a step, µs (default 0: one alpha)")
     p.add_argument("--sizes", default=None, help="bytes, K/M/G suffixes (default 4 B..256 MiB, powers of 4)")
     p.add_argument("--esize", type=int, default=4, help="element bytes (default 4: float32)")
     p.add_argument("--shm-a", type=float, default=5.0, help="shared-memory stage, fixed µs (default 5)")

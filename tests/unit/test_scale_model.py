@@ -136,6 +136,10 @@ def test_radix4_groups_share_the_links() -> None:
     # With rendezvous sends too: each group's three flows start once all three receives are posted.
     lazy = sim.Net(bandwidth=B, latency=D, overhead=S, gamma=0.2e-9, eager=False)
     assert all(_close(f, by_hand) for f in sim.simulate(plans, lazy))
+    # A group that costs more than a step (alphaGroup measured above alpha): its extra, per group.
+    slow = sim.Net(bandwidth=B, latency=D, overhead=S, gamma=0.2e-9, group_extra=40e-6)
+    assert all(_close(f, by_hand + 2 * 40e-6) for f in sim.simulate(plans, slow))
+    assert _close(sum(sim.closed_form(ENGINE, "radix4", 4, 1, 1000, 4, slow, sim.Shm()).values()), by_hand + 80e-6)
 
 
 def test_shared_memory_stages_bracket_the_leaders() -> None:
@@ -164,6 +168,7 @@ def test_simgrid_agrees(eager: bool) -> None:
     shared = _sends([(0, 2, N), (1, 2, N // 2)], 3)
     assert all(_close(f, g) for f, g in zip(sim.simulate(shared, net), sim.simulate_simgrid(shared, net)))
     # Radix4 on 6 hosts: groups of three transfers at once, and a fold in and out.
+    net = sim.Net(bandwidth=B, latency=D, overhead=S, gamma=0.1e-9, eager=eager, group_extra=15e-6)
     groups = sim.plan(ENGINE, "radix4", 6, 1, 100_000, 4, sim.Shm(), net)
     flow, grid = sim.simulate(groups, net), sim.simulate_simgrid(groups, net)
     assert all(_close(f, g) for f, g in zip(flow, grid)), (flow, grid)
