@@ -325,8 +325,11 @@ def main(argv: list[str] | None = None) -> None:
         print_projection(rows, a.goal)
         if a.plot != "none":
             lat = sorted(map(float, a.latency_us.split(",")))
-            plot(rows, a.plot, lat[len(lat) // 2], a.goal)
-            print(f"wrote {a.plot}")
+            try:
+                plot(rows, a.plot, lat[len(lat) // 2], a.goal)
+                print(f"wrote {a.plot}")
+            except ImportError as e:  # the tables and the JSON stand without the picture
+                print(f"no plot: {e.name} is not installed (pip install matplotlib, or --plot none)", file=sys.stderr)
     finish(a, info, rows, 0)
 
 
