@@ -186,15 +186,25 @@ LinkCost TcpLinks::measure() {
     }
     return best;
   };
-  const auto steps = allreduceSchedule(Algo::Doubling, members(), opt_.member, 1).steps;
-  const int longest = doublingSteps(members());
+  // Runs `steps` group by group (a plain step is a group of one), every transfer one 8-byte
+  // message whatever the ranges say.
   char out[8] = {}, in[8];
-  auto doubling = [&] {
-    for (const Step& step : steps) {
-      std::vector<Span> send, recv;
-      if (step.sendTo >= 0) send.push_back({out, sizeof(out)});
-      if (step.recvFrom >= 0) recv.push_back({in, sizeof(in)});
-      exchange(step.sendTo, send, step.recvFrom, recv);
+  std::vector<std::vector<Span>> spans;
+  auto tiny = [&](const std::vector<Step>& steps) {
+    for (size_t first = 0; first < steps.size();) {
+      const size_t end = groupEnd(steps, first);
+      spans.assign(2 * (end - first), {});
+      std::vector<Stream> streams;
+      for (size_t i = first; i < end; ++i) {
+        std::vector<Span>& send = spans[2 * (i - first)];
+        std::vector<Span>& recv = spans[2 * (i - first) + 1];
+        if (steps[i].sendTo >= 0) send.push_back({out, sizeof(out)});
+        if (steps[i].recvFrom >= 0) recv.push_back({in, sizeof(in)});
+        streams.push_back({steps[i].sendTo, true, &send, nullptr, nullptr});
+        streams.push_back({steps[i].recvFrom, false, &recv, nullptr, nullptr});
+      }
+      exchangeStreams(streams);
+      first = end;
     }
   };
   // Blocks of runs, not single runs: members that start a run apart by more than a step
@@ -213,32 +223,16 @@ LinkCost TcpLinks::measure() {
     std::nth_element(blocks.begin(), blocks.begin() + kBlocks / 2, blocks.end());
     return blocks[kBlocks / 2];
   };
-  cost.alpha = perRun(doubling) / static_cast<double>(longest);
+  const auto doubling = allreduceSchedule(Algo::Doubling, members(), opt_.member, 1).steps;
+  cost.alpha = perRun([&] { tiny(doubling); }) / static_cast<double>(doublingSteps(members()));
   // alphaGroup: the same with Radix4's schedule, 8-byte messages (every transfer of a group at
   // once), per group of three once its plain steps (the fold, a radix-2 level) are taken out at
   // alpha. Without a radix-4 level (fewer than 4 members) there is no group to measure.
   int groups = 0, plain = members() > powerOfTwoBelow(members()) ? 2 : 0;
   for (const auto& [shift, radix] : radixLevels(members())) (radix > 2 ? groups : plain) += 2;
   if (groups > 0) {
-    const auto radixSteps = allreduceSchedule(Algo::Radix4, members(), opt_.member, 1).steps;
-    std::vector<std::vector<Span>> spans;
-    auto radix = [&] {
-      for (size_t first = 0; first < radixSteps.size();) {
-        const size_t end = groupEnd(radixSteps, first);
-        spans.assign(2 * (end - first), {});
-        std::vector<Stream> streams;
-        for (size_t i = first; i < end; ++i) {
-          const Step& step = radixSteps[i];
-          if (step.sendTo >= 0) spans[2 * (i - first)].push_back({out, sizeof(out)});
-          if (step.recvFrom >= 0) spans[2 * (i - first) + 1].push_back({in, sizeof(in)});
-          streams.push_back({step.sendTo, true, &spans[2 * (i - first)], nullptr, nullptr});
-          streams.push_back({step.recvFrom, false, &spans[2 * (i - first) + 1], nullptr, nullptr});
-        }
-        exchangeStreams(streams);
-        first = end;
-      }
-    };
-    cost.alphaGroup = std::max(1e-9, (perRun(radix) - plain * cost.alpha) / groups);
+    const auto radix4 = allreduceSchedule(Algo::Radix4, members(), opt_.member, 1).steps;
+    cost.alphaGroup = std::max(1e-9, (perRun([&] { tiny(radix4); }) - plain * cost.alpha) / groups);
   }
   constexpr size_t kProbe = 1 << 20;
   cost.beta = std::max(1e-12, (rounds(kProbe, 3) - cost.alpha) / kProbe);
