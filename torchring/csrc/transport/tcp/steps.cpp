@@ -127,15 +127,16 @@ void TcpLinks::stepAllreduce(const Schedule& schedule, char* data, size_t count,
     if (scratch_.size() < total) scratch_.resize(total);
     // A step whose receive overlaps what the group sends (doubling swaps the whole buffer)
     // folds only once the group's sends are done, so it never changes bytes still to be sent.
-    std::vector<bool> late(n);
-    for (size_t k = 0; k < n; ++k) late[k] = rangesOverlap(sent, steps[first + k].recv);
-    auto follows = [&](size_t k) {  // step k receives what step k - 1 receives
-      if (k == 0) return false;
-      const auto &a = steps[first + k].recv, &b = steps[first + k - 1].recv;
-      return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](const Range& x, const Range& y) {
-               return x.first == y.first && x.count == y.count;
-             });
-    };
+    // A step that receives what the step before it receives folds after it (`follows`).
+    std::vector<bool> late(n), follows(n);
+    auto same = [](const Range& x, const Range& y) { return x.first == y.first && x.count == y.count; };
+    for (size_t k = 0; k < n; ++k) {
+      const std::vector<Range>& recv = steps[first + k].recv;
+      late[k] = rangesOverlap(sent, recv);
+      if (k == 0) continue;
+      const std::vector<Range>& before = steps[first + k - 1].recv;
+      follows[k] = recv.size() == before.size() && std::equal(recv.begin(), recv.end(), before.begin(), same);
+    }
     // Folds what may be folded of every step, in the group's order.
     auto foldReady = [&](bool all) {
       for (size_t k = 0; k < n; ++k) {
@@ -143,7 +144,7 @@ void TcpLinks::stepAllreduce(const Schedule& schedule, char* data, size_t count,
                       : late[k] ? 0
                       : received[k] == bytes[k] ? bytes[k]
                                                 : received[k] / segBytes * segBytes;
-        if (follows(k)) upTo = std::min(upTo, folded[k - 1]);
+        if (follows[k]) upTo = std::min(upTo, folded[k - 1]);
         if (upTo <= folded[k]) continue;
         foldRanges(work, steps[first + k].recv, scratch_.data() + offset[k], workType, op, folded[k], upTo);
         folded[k] = upTo;
