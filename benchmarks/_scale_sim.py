@@ -300,11 +300,11 @@ def simulate(plans: list[list[Step]], net: Net, starts: list[float] | None = Non
         heapq.heappush(events, (t, seq, kind, a, b))
 
     STEP, START, END = 0, 1, 2
-    pos = [0] * hosts
+    grouped = [groups(p) for p in plans]
+    pos = [0] * hosts  # the current group
     post = [0.0] * hosts  # when the current step's message was posted (after s)
     done = [0.0] * hosts  # the latest of the current step's parts that have ended
     parts = [0] * hosts  # parts of the current group still running (a send and a receive per step)
-    width = [1] * hosts  # steps in the current group
     waiting: list[set[int]] = [set() for _ in range(hosts)]  # leaders the current group awaits a message from
     mail: dict[tuple[int, int], deque] = {}  # eager: arrival times of messages not yet received
     held: dict[tuple[int, int], tuple] = {}  # rendezvous: sends waiting for their receive
@@ -316,8 +316,8 @@ def simulate(plans: list[list[Step]], net: Net, starts: list[float] | None = Non
         done[m] = max(done[m], t)
         parts[m] -= 1
         if parts[m] == 0:
-            folded = sum(step[4] for step in plans[m][pos[m]:pos[m] + width[m]])
-            pos[m] += width[m]
+            folded = sum(step[4] for step in grouped[m][pos[m]])
+            pos[m] += 1
             push(done[m] + net.gamma * folded, STEP, m)
 
     for m in range(hosts):
@@ -332,21 +332,17 @@ def simulate(plans: list[list[Step]], net: Net, starts: list[float] | None = Non
         now = t
         if kind == STEP:
             m = a
-            if pos[m] == len(plans[m]):
+            if pos[m] == len(grouped[m]):
                 finish[m] = t
                 continue
-            end = pos[m] + 1
-            while plans[m][end - 1][6] and end < len(plans[m]):
-                end += 1
-            group = plans[m][pos[m]:end]
-            width[m] = len(group)
+            group = grouped[m][pos[m]]
             to, frm, _, _, _, delay, _ = group[0]
-            if width[m] == 1 and to < 0 and frm < 0:
+            if len(group) == 1 and to < 0 and frm < 0:
                 parts[m], done[m] = 1, t
                 part_done(m, t + (delay if delay > 0 else net.overhead))
                 continue
-            post[m] = t0 = t + net.overhead + (net.group_extra if width[m] > 1 else 0.0)
-            done[m], parts[m] = t0, 2 * width[m]
+            post[m] = t0 = t + net.overhead + (net.group_extra if len(group) > 1 else 0.0)
+            done[m], parts[m] = t0, 2 * len(group)
             # Every send first, then the receives: a part that ends at once must not end the
             # group before the others have started.
             parts[m] += 1
@@ -393,9 +389,9 @@ def simulate(plans: list[list[Step]], net: Net, starts: list[float] | None = Non
                 part_done(f.dst, max(post[f.dst], t))
             else:
                 mail.setdefault((f.src, f.dst), deque()).append(t)
-    stuck = [m for m in range(hosts) if pos[m] < len(plans[m])]
+    stuck = [m for m in range(hosts) if pos[m] < len(grouped[m])]
     if stuck:
-        raise RuntimeError(f"the plan deadlocks: leaders {stuck[:8]} stopped at steps {[pos[m] for m in stuck[:8]]}")
+        raise RuntimeError(f"the plan deadlocks: leaders {stuck[:8]} stopped at groups {[pos[m] for m in stuck[:8]]}")
     return finish
 
 
