@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from _checks import DTYPES, Checker, expected_allreduce, rank_input, reference, valid_ops
-from _world import run_world, submit
+from _world import ENGINE, run_world, submit
 from torchring._core.types import OpKind, ReduceOp
 
 # name -> (host of each rank, transport, one-shot limit); segments are 4 KiB (1024 float32)
@@ -87,13 +87,14 @@ def _rooted_and_gathers(rank: int, comm: Any, world: int) -> list[str]:
     return chk.failures
 
 
-def _sweep_on(layout: str, sweep: Callable[[int, Any, int], list[str]], algo: str = "auto") -> None:
-    """Runs `sweep(rank, comm, world)` on every rank of `layout` (TORCHRING_ALGO=`algo`); fails
-    with what it found."""
+def _sweep_on(layout: str, sweep: Callable[[int, Any, int], list[str]], algo: str = "auto",
+              header: str = "") -> None:
+    """Runs `sweep(rank, comm, world)` on every rank of `layout` (TORCHRING_ALGO=`algo`, the
+    header exchange's shape `header`, "": as measured); fails with what it found."""
     hosts, transport, one_shot = {**LAYOUTS, **RADIX_LAYOUTS}[layout]
     world = len(hosts)
     results = run_world(world, lambda r, c: sweep(r, c, world), hosts, transport,
-                        one_shot_bytes=one_shot, algo=algo)
+                        one_shot_bytes=one_shot, algo=algo, header=header)
     failures = [f for r in results for f in r]
     assert not failures, "\n".join(failures[:20])
 
@@ -122,8 +123,35 @@ def test_allreduce_halvings_among_five_hosts(algo: str) -> None:
 def test_allreduce_radix4_groups(layout: str) -> None:
     """Radix4 among 4 hosts (one radix-4 level: three transfers at once each way, three folds
     into one quarter in a fixed order), 5 (one folds in and out of the core of four), and 4
-    hosts with a second rank on one of them."""
-    _sweep_on(layout, _allreduce_sweep, "radix4")
+    hosts with a second rank on one of them; the header exchange in Doubling's shape, so none
+    of it rides on the headers)."""
+    _sweep_on(layout, _allreduce_sweep, "radix4", header="doubling")
+
+
+@pytest.mark.parametrize("algo", ["multiplying", "radix4", "auto"])
+@pytest.mark.parametrize("layout", ["tcp-4", "tcp-5", "hybrid-abcda"])
+def test_allreduce_rides_on_multiplying_headers(layout: str, algo: str) -> None:
+    """The header exchange in Multiplying's shape (a group of three summaries at once per
+    radix-4 level), Multiplying and Radix4 riding on it up to kCarriedLimitBytes: 4 hosts, 5
+    (one folds in and out of the core of four), 4 with a second rank on one of them."""
+    hosts = len(set(RADIX_LAYOUTS.get(layout, LAYOUTS.get(layout))[0]))
+
+    def sweep(rank: int, comm: Any, world: int) -> list[str]:
+        cost = comm.link_cost
+        failures = [] if ENGINE.header_algo(hosts, cost[0], cost[3]) == "multiplying" else ["not Multiplying's shape"]
+        chosen = comm.allreduce_algorithm(torch.zeros(1000))
+        if not ENGINE.rides_on_headers(chosen, hosts, 1000, 4, *cost):
+            failures.append(f"rank {rank}: {chosen} for 1000 float32 does not ride on the headers")
+        if algo == "auto" and chosen != "multiplying":
+            failures.append(f"rank {rank}: auto chose {chosen} for 1000 float32, not multiplying")
+        return failures + _allreduce_sweep(rank, comm, world)
+    _sweep_on(layout, sweep, algo, header="multiplying")
+
+
+@pytest.mark.parametrize("algo", ["doubling", "rabenseifner:1"])
+def test_allreduce_apart_from_multiplying_headers(algo: str) -> None:
+    """Allreduces that do not ride on a header exchange of Multiplying's shape run after it."""
+    _sweep_on("tcp-5", _allreduce_sweep, algo, header="multiplying")
 
 
 @pytest.mark.parametrize("layout", ["one", "shm-3-chunked", "tcp-3", "hybrid-abab"])
@@ -163,8 +191,11 @@ def test_tcp_ring_streams_multi_segment_chunks(layout: str) -> None:
     _sweep_on(layout, _tcp_streams, "ring")
 
 
-@pytest.mark.parametrize("algo", ["doubling", "rabenseifner", "radix4"])
+@pytest.mark.parametrize("algo", ["doubling", "rabenseifner", "radix4", "radix4 riding", "multiplying riding"])
 def test_log_depth_steps_fold_as_bytes_arrive(algo: str) -> None:
     """The step-by-step allreduce on messages of several segments, 16-bit and scaled too
-    (Radix4 on 4 hosts: a group's three receives fold segment by segment, in order)."""
-    _sweep_on("tcp-4" if algo == "radix4" else "tcp-3", _tcp_streams, algo)
+    (Radix4 on 4 hosts: a group's three receives fold segment by segment, in order; riding on
+    a header exchange of Multiplying's shape, the same inside its groups)."""
+    name, _, riding = algo.partition(" ")
+    _sweep_on("tcp-4" if name != "doubling" and name != "rabenseifner" else "tcp-3", _tcp_streams, name,
+              header="multiplying" if riding else "doubling")

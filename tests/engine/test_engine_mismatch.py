@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from _checks import Checker, expected_allreduce, rank_input, reference
-from _world import mismatch_text, run_world, submit, submit_op
+from _world import ENGINE, mismatch_text, run_world, submit, submit_op
 from _mismatches import MISMATCHES, Call, expected_pair, message_problem
 from torchring._core.types import OpKind, ReduceOp
 
@@ -118,14 +118,17 @@ def _job(rank: int, comm: Any, world: int, odd: int) -> tuple[dict[str, list[str
     return errors, chk.failures
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_mismatch_leaves_no_state_behind(layout: str) -> None:
+# Four and five hosts again with the header exchange in Multiplying's shape (groups of three
+# summaries at once; the full round by groups too).
+@pytest.mark.parametrize(("layout", "header"), [(name, "") for name in LAYOUTS] +
+                         [("tcp-abcd", "multiplying"), ("tcp-abcde", "multiplying")])
+def test_mismatch_leaves_no_state_behind(layout: str, header: str) -> None:
     hosts, transport, odds = LAYOUTS[layout]
     world = len(hosts)
     problems: list[str] = []
     for odd in odds:
         results = run_world(world, lambda r, c: _job(r, c, world, odd), hosts, transport,
-                            segment_kb=4, one_shot_bytes=0, timeout=10.0)
+                            segment_kb=4, one_shot_bytes=0, timeout=10.0, header=header)
         for rank, (errors, failures) in enumerate(results):
             problems += [f"odd rank {odd}: {f}" for f in failures]
             for case, (agree, differ, _) in MISMATCHES.items():
@@ -143,25 +146,28 @@ def test_mismatch_leaves_no_state_behind(layout: str) -> None:
     assert not problems, "\n".join(problems[:30])
 
 
-def _carried_mismatches(rank: int, comm: Any, world: int) -> tuple[list[str | None], list[str]]:
-    """Allreduces that ride on the header exchange (Rabenseifner with one halving, then all),
-    each with rank 3 (a core member; rank 0 folds in and out) differing: in its choice of
-    halvings, in its size, in its op. Every rank must fail each alike, its tensor untouched,
-    and an exact allreduce must follow."""
+def _carried_mismatches(rank: int, comm: Any, world: int, algo: str,
+                        other: tuple[str, int]) -> tuple[list[str | None], list[str]]:
+    """Allreduces that ride on the header exchange (`algo`), each with rank 3 (a core member;
+    rank 0 folds in and out) differing: in its algorithm (`other`: another that rides on the
+    same header shape, with its count of halvings), in its size, in its op. Every rank must fail
+    each alike, its tensor untouched, and an exact allreduce must follow."""
     chk = Checker(rank)
     errors: list[str | None] = []
     n = 3000
-    cases = [("levels", n, "SUM", 0), ("size", n + 1, "SUM", 1), ("op", n, "MAX", 1)]
-    for what, count, op, levels in cases:
+    mine_algo = ENGINE.ALGOS.index(algo.partition(":")[0]), int(algo.partition(":")[2] or 0)
+    other_algo = ENGINE.ALGOS.index(other[0]), other[1]
+    cases = [("levels", n, "SUM", other_algo), ("size", n + 1, "SUM", mine_algo), ("op", n, "MAX", mine_algo)]
+    for what, count, op, odd_algo in cases:
         odd = rank == 3
-        comm.levels = levels if odd else 1
+        comm.algo, comm.levels = odd_algo if odd else mine_algo
         mine = count if odd else n
         opname = op if odd else "SUM"
         t = rank_input(rank, world, mine, torch.float32, opname)
         before = t.clone()
         errors.append(mismatch_text(submit(comm, OpKind.ALLREDUCE, t, ReduceOp[opname])))
         chk.equal(f"{what}: the tensor after the failed allreduce", t, before)
-        comm.levels = 1
+        comm.algo, comm.levels = mine_algo
         got = submit(comm, OpKind.ALLREDUCE, rank_input(rank, world, n, torch.float32)).wait()
         chk.equal(f"{what}: the allreduce after it", got, expected_allreduce(world, n, torch.float32, "SUM"))
     # 16-bit floats (their folds run on the leader's float32 sums): a size mismatch, then exact.
@@ -178,10 +184,16 @@ def _carried_mismatches(rank: int, comm: Any, world: int) -> tuple[list[str | No
     return errors, chk.failures
 
 
-def test_carried_allreduce_mismatch_fails_alike() -> None:
+# (the header exchange's shape, the allreduce, rank 3's other choice, its name in the message)
+CARRIED = [("doubling", "rabenseifner:1", ("rabenseifner", 0), "rank 3 rabenseifner"),
+           ("multiplying", "radix4", ("multiplying", 0), "rank 3 multiplying")]
+
+
+@pytest.mark.parametrize(("header", "algo", "other", "named"), CARRIED)
+def test_carried_allreduce_mismatch_fails_alike(header: str, algo: str, other: tuple[str, int], named: str) -> None:
     world = 5
-    results = run_world(world, lambda r, c: _carried_mismatches(r, c, world), "abcde", "tcp",
-                        timeout=10.0, algo="rabenseifner:1")
+    results = run_world(world, lambda r, c: _carried_mismatches(r, c, world, algo, other), "abcde", "tcp",
+                        timeout=10.0, algo=algo, header=header)
     failures = [f for _, fs in results for f in fs]
     assert not failures, "\n".join(failures[:10])
     # Every rank words it alike but for its own name in front ("rank 2: collective #0 ...").
@@ -189,7 +201,7 @@ def test_carried_allreduce_mismatch_fails_alike() -> None:
     assert all(t == texts[0] for t in texts[1:]), texts
     levels, size, op, half = texts[0]
     assert levels is not None and "ranks chose different algorithms among hosts" in levels, levels
-    assert "rabenseifner:1" in levels and "rank 3 rabenseifner" in levels, levels
+    assert algo in levels and named in levels, levels
     assert size is not None and "float32[3001]" in size and "rank 3" in size, size
     assert op is not None and "MAX" in op and "rank 3" in op, op
     assert half is not None and "bfloat16[3001]" in half and "rank 3" in half, half

@@ -29,9 +29,10 @@ ENGINE = _build.load()
 
 def run_world(world: int, fn: Callable[[int, Any], Any], hosts: str = "", transport: str = "shm",
               segment_kb: int = 4, one_shot_bytes: int | None = None, timeout: float = 20.0,
-              arena_mb: int = 16, algo: str = "auto") -> list[Any]:
-    """Runs ``fn(rank, comm)`` on `world` wired communicators (`algo`: TORCHRING_ALGO's value);
-    returns the results by rank."""
+              arena_mb: int = 16, algo: str = "auto", header: str = "") -> list[Any]:
+    """Runs ``fn(rank, comm)`` on `world` wired communicators (`algo`: TORCHRING_ALGO's value;
+    `header`: "doubling" or "multiplying" gives every rank a link cost that makes the header
+    exchange that shape, "" keeps the measured one); returns the results by rank."""
     hosts = hosts or "a" * world
     assert len(hosts) == world, f"hosts {hosts!r} must name one host per rank"
     groups = ([[r] for r in range(world)] if transport == "tcp"
@@ -47,6 +48,8 @@ def run_world(world: int, fn: Callable[[int, Any], Any], hosts: str = "", transp
         try:
             comm = _rendezvous.connect(ENGINE, store, prefix, rank, world, settings, hosts[rank], "127.0.0.1",
                                        secret="secret", groups=groups, **overrides).comm
+            if header:
+                shaped(comm, header)
             results[rank] = fn(rank, comm)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
             errors[rank] = exc
@@ -68,6 +71,19 @@ def run_world(world: int, fn: Callable[[int, Any], Any], hosts: str = "", transp
     if first is not None:
         raise first
     return results
+
+
+def shaped(comm: Any, header: str) -> None:
+    """Gives `comm` a link cost (the same on every rank) under which the header exchange among
+    4 or more hosts takes `header`'s shape: a group of transfers at once costing half a step
+    (Multiplying; with a copy that costs next to nothing, so every allreduce up to the limit
+    whose algorithm can ride on it does) or three (Doubling)."""
+    alpha, beta, gamma, _ = comm.link_cost
+    if header == "multiplying":
+        comm.set_link_cost(alpha, beta, gamma * 1e-6, alpha * 0.5)
+    else:
+        comm.set_link_cost(alpha, beta, gamma, alpha * 3.0)
+    assert ENGINE.header_algo(8, alpha, comm.link_cost[3]) == header
 
 
 def allreduce(comm: Any, t: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:

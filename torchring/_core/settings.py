@@ -40,7 +40,7 @@ class Settings:
 
     timeout: float = DEFAULT_TIMEOUT_S  # TORCHRING_TIMEOUT, seconds without progress before failing
     transport: str = "auto"          # TORCHRING_TRANSPORT: auto, shm or tcp
-    algo: str = "auto"               # TORCHRING_ALGO: auto, ring, doubling, rabenseifner[:K], radix4
+    algo: str = "auto"               # TORCHRING_ALGO: auto, ring, doubling, rabenseifner[:K], radix4, multiplying
     hostname: str | None = None      # TORCHRING_HOSTNAME: None = socket.gethostname()
     addr: str | None = None          # TORCHRING_ADDR: None = the local address routing to MASTER_ADDR
     bind_addr: str | None = None     # TORCHRING_BIND_ADDR: None = loopback for a loopback addr, else all
@@ -187,15 +187,15 @@ def choice(*choices: str) -> Callable[[str, str, str], str]:
 
 
 def _algo(name: str, raw: str, default: str) -> str:
-    """TORCHRING_ALGO: auto, ring, doubling, rabenseifner, rabenseifner:K (K halvings, K >= 1) or radix4."""
+    """TORCHRING_ALGO: auto, ring, doubling, rabenseifner, rabenseifner:K (K halvings, K >= 1), radix4 or multiplying."""
     value = raw.lower()
     word, colon, levels = value.partition(":")
     if colon and word == "rabenseifner" and levels.isdigit() and int(levels) >= 1:
         return f"rabenseifner:{int(levels)}"
-    if not colon and word in ("auto", "ring", "doubling", "rabenseifner", "radix4"):
+    if not colon and word in ("auto", "ring", "doubling", "rabenseifner", "radix4", "multiplying"):
         return value
-    raise fail(name, raw, "one of auto, ring, doubling, rabenseifner, rabenseifner:K (K halvings, K >= 1), radix4",
-               default)
+    raise fail(name, raw, "one of auto, ring, doubling, rabenseifner, rabenseifner:K (K halvings, K >= 1), radix4, "
+               "multiplying", default)
 
 
 def _word(what: str) -> Callable[[str, str, str], str]:

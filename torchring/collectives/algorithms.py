@@ -19,7 +19,7 @@ __all__ = ["algorithm", "link_cost"]
 
 
 def algorithm(tensor: torch.Tensor, group: GroupBase | None = None) -> str:
-    """The algorithm among hosts an allreduce of `tensor` runs ("ring", "doubling", "rabenseifner[:K]", "radix4"; "" on one host)."""
+    """The algorithm among hosts an allreduce of `tensor` runs ("ring", "doubling", "rabenseifner[:K]", "radix4", "multiplying"; "" on one host)."""
     return target(group, "algorithm").comm.allreduce_algorithm(tensor)
 
 

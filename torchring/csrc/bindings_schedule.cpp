@@ -12,14 +12,14 @@ namespace torchring {
 namespace {
 
 constexpr Algo kAlgos[] = {Algo::Auto, Algo::Ring,  Algo::Doubling, Algo::Rabenseifner,
-                           Algo::Tree, Algo::Bruck, Algo::Radix4};
+                           Algo::Tree, Algo::Bruck, Algo::Radix4, Algo::Multiplying};
 
 Algo algoNamed(const std::string& name) {
   for (Algo a : kAlgos) {
     if (name == algoName(a)) return a;
   }
   throw py::value_error("no cross-host algorithm named '" + name +
-                        "'; expected auto, ring, doubling, rabenseifner, radix4, tree or bruck");
+                        "'; expected auto, ring, doubling, rabenseifner, radix4, multiplying, tree or bruck");
 }
 
 // "rabenseifner:2" -> {Rabenseifner, 2}; any other word -> {that algorithm, 0}.
@@ -156,29 +156,45 @@ void bindSchedules(py::module_& m) {
   m.def(
       "choose_allreduce",
       [](const std::string& forced, int members, size_t count, size_t esize, double alpha, double beta,
-         double gamma, double alphaGroup) {
-        return choiceName(
-            chooseAllreduce(choiceNamed(forced), members, count, esize, {alpha, beta, gamma, alphaGroup}));
+         double gamma, double alphaGroup, bool staged) {
+        return choiceName(chooseAllreduce(choiceNamed(forced), members, count, esize,
+                                          {alpha, beta, gamma, alphaGroup}, staged));
       },
       py::arg("forced"), py::arg("members"), py::arg("count"), py::arg("esize"), py::arg("alpha"), py::arg("beta"),
-      py::arg("gamma"), py::arg("alpha_group") = 0.0,
-      "the algorithm the engine runs for this allreduce (\"rabenseifner:K\": K halvings; alpha_group 0: alpha)");
+      py::arg("gamma"), py::arg("alpha_group") = 0.0, py::arg("staged") = false,
+      "the algorithm the engine runs for this allreduce (\"rabenseifner:K\": K halvings; alpha_group 0: alpha; "
+      "staged: every host has several ranks)");
   m.def(
       "rides_on_headers",
       [](const std::string& algo, int members, size_t count, size_t esize, double alpha, double beta,
-         double gamma) {
-        return ridesOnHeaders(choiceNamed(algo).algo, members, count, esize, {alpha, beta, gamma});
+         double gamma, double alphaGroup, bool staged) {
+        return ridesOnHeaders(choiceNamed(algo).algo, members, count, esize, {alpha, beta, gamma, alphaGroup},
+                              staged);
       },
       py::arg("algo"), py::arg("members"), py::arg("count"), py::arg("esize"), py::arg("alpha"), py::arg("beta"),
-      py::arg("gamma"),
+      py::arg("gamma"), py::arg("alpha_group") = 0.0, py::arg("staged") = false,
       "whether this allreduce rides on the header exchange (its first steps carry the headers)");
+  m.def(
+      "header_algo",
+      [](int members, double alpha, double alphaGroup) {
+        return std::string(algoName(headerAlgo(members, {alpha, 0, 0, alphaGroup})));
+      },
+      py::arg("members"), py::arg("alpha"), py::arg("alpha_group") = 0.0,
+      "the header exchange's schedule: \"doubling\", or \"multiplying\" where its groups cost less");
+  m.def(
+      "header_seconds",
+      [](int members, double alpha, double alphaGroup) {
+        return headerSeconds(members, {alpha, 0, 0, alphaGroup});
+      },
+      py::arg("members"), py::arg("alpha"), py::arg("alpha_group") = 0.0,
+      "the cost model's seconds for the header exchange alone");
   m.def("carried_limit_bytes", [] { return kCarriedLimitBytes; }, "the largest allreduce that may ride on the header exchange");
   m.def(
-      "carry_seconds", [](size_t bytes, double alpha, double beta, double gamma) {
-        return carrySeconds(bytes, {alpha, beta, gamma});
+      "carry_seconds", [](size_t bytes, double alpha, double beta, double gamma, bool staged) {
+        return carrySeconds(bytes, {alpha, beta, gamma}, staged);
       },
-      py::arg("bytes"), py::arg("alpha"), py::arg("beta"), py::arg("gamma"),
-      "the copy an allreduce riding on the header exchange makes");
+      py::arg("bytes"), py::arg("alpha"), py::arg("beta"), py::arg("gamma"), py::arg("staged") = false,
+      "the copy an allreduce riding on the header exchange makes (none when staged)");
 }
 
 }  // namespace torchring

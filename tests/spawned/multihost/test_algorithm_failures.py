@@ -34,11 +34,12 @@ def _read(path: str) -> dict | None:
 
 
 @pytest.mark.parametrize("algo, lost", [("ring", 3), ("doubling", 3), ("rabenseifner", 3),
-                                        ("doubling", 2), ("rabenseifner", 5), ("radix4", 5), ("radix4", 2)])
+                                        ("doubling", 2), ("rabenseifner", 5), ("radix4", 5), ("radix4", 2),
+                                        ("multiplying", 5)])
 def test_host_killed_mid_allreduce(algo: str, lost: int) -> None:
     """Host `lost` killed: 3 is in the power-of-two core (it folds host 2 in), 2 sits out, 5 is
-    a core member with no pair (under radix4, one of three partners each survivor in the core
-    exchanges with at once)."""
+    a core member with no pair (under radix4 and multiplying, one of three partners each
+    survivor in the core exchanges with at once)."""
     from _host_jobs import job_env, start_ranks, wait_all
     from _hosts import hosts
 

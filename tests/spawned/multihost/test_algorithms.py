@@ -1,6 +1,6 @@
 """Every cross-host algorithm, forced and chosen, exact on simulated hosts (tests/support/_hosts.py):
 16 hosts × 1 rank and 8 hosts × 2 ranks. The job runs once per TORCHRING_ALGO (ring, doubling,
-rabenseifner, rabenseifner:2 — two halvings, then doubling —, radix4, auto: init, collectives,
+rabenseifner, rabenseifner:2 — two halvings, then doubling —, radix4, multiplying, auto: init, collectives,
 shutdown) and, within each, on groups of the first H hosts
 for H = 2, 3, 5, 6, 7, 9, 12 and the whole world, so every host count from 2 to 16 that folds a
 non-power-of-two in and out is covered. Every rank checks allreduce (every dtype and op, sizes
@@ -23,7 +23,7 @@ import pytest
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(_HERE)))
 _SUPPORT = os.path.join(_ROOT, "tests", "support")
-ALGOS = ["ring", "doubling", "rabenseifner", "rabenseifner:2", "radix4", "auto"]
+ALGOS = ["ring", "doubling", "rabenseifner", "rabenseifner:2", "radix4", "multiplying", "auto"]
 GROUP_HOSTS = [2, 3, 5, 6, 7, 9, 12]
 _JOB_TIMEOUT = 420.0
 

@@ -221,13 +221,14 @@ def test_init_rejects_a_bad_variable_before_joining(monkeypatch: pytest.MonkeyPa
 
 @pytest.mark.parametrize("raw,want", [("auto", "auto"), ("RING", "ring"), ("doubling", "doubling"),
                                       ("rabenseifner", "rabenseifner"), ("Rabenseifner:3", "rabenseifner:3"),
-                                      ("rabenseifner:01", "rabenseifner:1"), ("Radix4", "radix4")])
+                                      ("rabenseifner:01", "rabenseifner:1"), ("Radix4", "radix4"),
+                                      ("Multiplying", "multiplying")])
 def test_algo_words(raw: str, want: str) -> None:
     assert Settings.from_env({"TORCHRING_ALGO": raw}).algo == want
 
 
 @pytest.mark.parametrize("raw", ["tree", "doubling:2", "rabenseifner:0", "rabenseifner:", "rabenseifner:x",
-                                 "ring:1", "radix4:2", "radix"])
+                                 "ring:1", "radix4:2", "radix", "multiplying:2"])
 def test_bad_algo_words(raw: str) -> None:
-    with pytest.raises(ValueError, match=r"TORCHRING_ALGO.*rabenseifner:K \(K halvings, K >= 1\), radix4"):
+    with pytest.raises(ValueError, match=r"TORCHRING_ALGO.*rabenseifner:K \(K halvings, K >= 1\), radix4, multiplying"):
         Settings.from_env({"TORCHRING_ALGO": raw})

@@ -17,14 +17,16 @@ ENGINE = _build.load()
 MEMBERS = list(range(1, 18)) + [24, 31, 32, 33]
 # "rabenseifner:K": K halvings, then doubling on the window (all of them when K is more than there are).
 ALLREDUCE_ALGOS = ["ring", "doubling", "rabenseifner", "rabenseifner:1", "rabenseifner:2", "rabenseifner:3",
-                   "radix4"]
-CARRIED_ALGOS = [a for a in ALLREDUCE_ALGOS if a not in ("ring", "radix4")]  # those that ride on the headers
+                   "radix4", "multiplying"]
+# (the header exchange's shape, an allreduce that rides on it)
+CARRIED = [("doubling", a) for a in ALLREDUCE_ALGOS if a.startswith(("doubling", "rabenseifner"))] + \
+    [("multiplying", "multiplying"), ("multiplying", "radix4")]
 
 
 def _levels(algo: str, members: int) -> int:
     """The halvings a Doubling or Rabenseifner schedule runs for `members` (schedule.h halvingsOf)."""
     log2p2 = (1 << (members.bit_length() - 1)).bit_length() - 1
-    if algo == "doubling":
+    if algo in ("doubling", "multiplying"):
         return 0
     if algo == "radix4":
         return log2p2
@@ -141,37 +143,59 @@ def test_reduce_scatter_owns_its_blocks(members: int) -> None:
         assert len(schedules[m]["steps"]) == members - 1
 
 
+@pytest.mark.parametrize("shape", ["doubling", "multiplying"])
 @pytest.mark.parametrize("members", MEMBERS)
-def test_headers_ride_on_doubling(members: int) -> None:
-    """The header exchange (carried_along over Doubling): every member ends with every
-    member's header block, and never sends a block it has not received yet."""
+def test_headers_ride_on_their_shape(shape: str, members: int) -> None:
+    """The header exchange (carried_along over Doubling or Multiplying): every member ends with
+    every member's header block, a group's steps send only blocks known when the group starts,
+    and what a step sends is what its partner's matching step expects to receive."""
+    along = [ENGINE.carried_along(shape, members, me) for me in range(members)]
     for me in range(members):
-        known = {me}
-        for sent, received in ENGINE.carried_along("doubling", members, me):
-            assert set(sent) <= known, f"{members} members: member {me} sends {sent}, knows {known}"
-            known |= set(received)
+        steps = ENGINE.allreduce_schedule(shape, members, me, 1)["steps"]
+        assert len(along[me]) == len(steps)
+        known, i = {me}, 0
+        for group in _groups(steps):
+            for sent, _ in along[me][i:i + len(group)]:
+                assert set(sent) <= known, f"{shape}, {members} members: member {me} sends {sent}, knows {known}"
+            for _, received in along[me][i:i + len(group)]:
+                known |= set(received)
+            i += len(group)
         assert known == set(range(members)), f"{members} members: member {me} ends knowing {sorted(known)}"
-
-
-@pytest.mark.parametrize("algo", CARRIED_ALGOS)
-@pytest.mark.parametrize("members", MEMBERS)
-def test_carried_schedules_begin_with_the_header_exchange(algo: str, members: int) -> None:
-    """Doubling and Rabenseifner (any halvings) ride on the header exchange
-    (transport/tcp/headers.cpp): each member's fold in and core steps are the header exchange's
-    steps with the same partners in the same order, and its fold out is the header exchange's
-    last step; only Rabenseifner's way back comes between."""
-    p2 = 1 << (members.bit_length() - 1)
+    # Messages pair up: the k-th message from a to b is read by b's k-th step receiving from a.
+    out: dict[tuple[int, int], list[list[int]]] = {}
+    into: dict[tuple[int, int], list[list[int]]] = {}
     for me in range(members):
-        head = ENGINE.allreduce_schedule("doubling", members, me, 1)["steps"]
+        for step, (sent, received) in zip(ENGINE.allreduce_schedule(shape, members, me, 1)["steps"], along[me]):
+            if step["send_to"] >= 0:
+                out.setdefault((me, step["send_to"]), []).append(sent)
+            if step["recv_from"] >= 0:
+                into.setdefault((step["recv_from"], me), []).append(received)
+    assert out == into
+
+
+@pytest.mark.parametrize(("shape", "algo"), CARRIED)
+@pytest.mark.parametrize("members", MEMBERS)
+def test_carried_schedules_begin_with_the_header_exchange(shape: str, algo: str, members: int) -> None:
+    """Doubling and Rabenseifner (any halvings) ride on a header exchange of Doubling's shape,
+    Multiplying and Radix4 on one of Multiplying's (transport/tcp/headers.cpp): each member's
+    fold in and core steps are the header exchange's steps with the same partners in the same
+    order and groups, and its fold out is the header exchange's last step; only the way back
+    (Rabenseifner's, Radix4's) comes between."""
+    p2 = 1 << (members.bit_length() - 1)
+    log2p2 = p2.bit_length() - 1
+    for me in range(members):
+        head = ENGINE.allreduce_schedule(shape, members, me, 1)["steps"]
         plan = ENGINE.allreduce_schedule(algo, members, me, 40)["steps"]
         folds = me < 2 * (members - p2)
         core = len(head) - (1 if folds else 0)
-        pairs = [(s["send_to"], s["recv_from"]) for s in plan]
-        assert pairs[:core] == [(s["send_to"], s["recv_from"]) for s in head[:core]], f"{algo}, {members}: {me}"
+        pairs = [(s["send_to"], s["recv_from"], s["with_next"]) for s in plan]
+        assert pairs[:core] == [(s["send_to"], s["recv_from"], s["with_next"]) for s in head[:core]], \
+            f"{algo}, {members}: {me}"
         if folds:
-            assert pairs[-1] == (head[-1]["send_to"], head[-1]["recv_from"]), f"{algo}, {members}: {me}"
+            assert pairs[-1] == (head[-1]["send_to"], head[-1]["recv_from"], False), f"{algo}, {members}: {me}"
         coreless = folds and me % 2 == 0  # sits out: sends in, receives out
-        between = 0 if coreless else _levels(algo, members)
+        back = 3 * (log2p2 // 2) + log2p2 % 2 if algo == "radix4" else _levels(algo, members)
+        between = 0 if coreless else back
         assert len(plan) == len(head) + between, f"{algo}, {members}: member {me}"
         assert all(s["fold"] for s in plan[:core]) or coreless
 
@@ -194,6 +218,11 @@ def test_depths(members: int) -> None:
     groups = max(len(_groups(ENGINE.allreduce_schedule("radix4", members, m, 64)["steps"])) for m in range(members))
     assert groups == 2 * radix_levels + fold
     assert steps["radix4"] == 2 * (3 * (log2p2 // 2) + log2p2 % 2) + fold
+    # Multiplying: Radix4's first half on the whole buffer.
+    groups = max(len(_groups(ENGINE.allreduce_schedule("multiplying", members, m, 64)["steps"]))
+                 for m in range(members))
+    assert groups == radix_levels + fold
+    assert steps["multiplying"] == 3 * (log2p2 // 2) + log2p2 % 2 + fold
     assert max(len(ENGINE.allgather_schedule("bruck", members, m)["steps"]) for m in range(members)) == ceil_log2
     for root in {0, members // 2, members - 1}:
         depth = [len(ENGINE.broadcast_schedule("tree", members, m, root, 100)["steps"]) for m in range(members)]
@@ -255,25 +284,48 @@ def test_closed_form_is_the_slowest_members_steps(algo: str, members: int) -> No
 def test_choice_follows_size_and_host_count() -> None:
     alpha, beta, gamma = 50e-6, 1 / 1.25e9, 0.2e-9  # 10 Gbit/s
     choose = ENGINE.choose_allreduce
-    assert choose("auto", 16, 2, 4, alpha, beta, gamma) == "doubling"
-    assert choose("auto", 16, 1 << 16, 4, alpha, beta, gamma).startswith("rabenseifner")
-    # Between the two: fewer halvings than all; with the data large, Radix4 (Rabenseifner's
-    # bytes in half its steps: its groups of three transfers cost one alpha each), which on
-    # 2 or 3 hosts is Rabenseifner's one halving (a tie, kept by Rabenseifner).
-    assert choose("auto", 1024, 1 << 14, 4, 10e-6, beta, gamma) not in ("doubling", "rabenseifner", "ring")
+    # The smallest: the whole buffer in the fewest steps, riding on the header exchange, whose
+    # shape is Multiplying's where a group costs less than two steps, else Doubling's.
+    assert choose("auto", 16, 2, 4, alpha, beta, gamma) == "multiplying"
+    assert choose("auto", 16, 2, 4, alpha, beta, gamma, 2 * alpha) == "doubling"
+    assert ENGINE.header_algo(16, alpha) == "multiplying" and ENGINE.header_algo(16, alpha, 2 * alpha) == "doubling"
+    assert ENGINE.header_algo(2, alpha) == "doubling"  # one level: a group saves nothing
+    assert ENGINE.header_seconds(16, alpha) == pytest.approx(2 * alpha)
+    assert ENGINE.header_seconds(17, alpha, 1.5 * alpha) == pytest.approx(2 * alpha + 2 * 1.5 * alpha)
+    # The middle and the large: Radix4 (Rabenseifner's bytes in half its steps: its groups of
+    # three transfers cost one alpha each), riding on Multiplying's header up to where its copy
+    # costs more than the header's groups; on 2 or 3 hosts Rabenseifner's one halving.
+    assert choose("auto", 16, 1 << 16, 4, alpha, beta, gamma) == "radix4"
     assert choose("auto", 16, 1 << 22, 4, alpha, beta, gamma) == "radix4"
     assert choose("auto", 3, 1 << 22, 4, alpha, beta, gamma) in ("ring", "rabenseifner")
     assert choose("radix4", 16, 2, 4, alpha, beta, gamma) == "radix4"
     # Where a group of three costs what three steps do (a leader's CPU, not the wire, sets the
-    # time: alpha_group measured at init), Radix4 saves nothing and Rabenseifner stays.
+    # time: alpha_group measured at init), the header keeps Doubling's shape, Radix4 saves
+    # nothing and Rabenseifner (fewer halvings than all in the middle) stays.
+    assert choose("auto", 16, 1 << 16, 4, alpha, beta, gamma, 3 * alpha).startswith("rabenseifner")
+    assert choose("auto", 1024, 1 << 14, 4, 10e-6, beta, gamma, 30e-6) not in ("doubling", "rabenseifner", "ring")
     assert choose("auto", 16, 1 << 22, 4, alpha, beta, gamma, 3 * alpha) == "rabenseifner"
     assert choose("auto", 16, 1 << 22, 4, alpha, beta, gamma, 1.5 * alpha) == "radix4"
     assert choose("rabenseifner:2", 16, 2, 4, alpha, beta, gamma) == "rabenseifner:2"
     assert choose("auto", 2, 1 << 24, 4, alpha, beta, gamma) in ("ring", "rabenseifner")
     assert choose("ring", 16, 2, 4, alpha, beta, gamma) == "ring"
     assert choose("doubling", 16, 1 << 24, 4, alpha, beta, gamma) == "doubling"
-    assert list(ENGINE.ALGOS) == ["auto", "ring", "doubling", "rabenseifner", "tree", "bruck", "radix4"]
-    assert not ENGINE.rides_on_headers("radix4", 16, 2, 4, alpha, beta, gamma)
+    assert list(ENGINE.ALGOS) == ["auto", "ring", "doubling", "rabenseifner", "tree", "bruck", "radix4",
+                                  "multiplying"]
+    # Only an allreduce whose first steps are the header's shape rides on it.
+    assert ENGINE.rides_on_headers("radix4", 16, 2, 4, alpha, beta, gamma)
+    assert not ENGINE.rides_on_headers("radix4", 16, 2, 4, alpha, beta, gamma, 2 * alpha)
+    assert not ENGINE.rides_on_headers("rabenseifner", 16, 2, 4, alpha, beta, gamma)
+    assert ENGINE.rides_on_headers("rabenseifner", 16, 2, 4, alpha, beta, gamma, 2 * alpha)
+    # The copy into the leader's buffer: none where every host has several ranks (staged), so
+    # a large allreduce rides there and not on hosts of one rank.
+    big = 1 << 20  # 4 MiB: its copy (0.8 ms) costs more than the header's two groups
+    assert not ENGINE.rides_on_headers("radix4", 16, big, 4, alpha, beta, gamma)
+    assert ENGINE.rides_on_headers("radix4", 16, big, 4, alpha, beta, gamma, staged=True)
+    assert ENGINE.carry_seconds(4 * big, alpha, beta, gamma, staged=True) == 0
+    assert ENGINE.carry_seconds(4 * big, alpha, beta, gamma) == pytest.approx(4 * big * gamma)
+    too_big = ENGINE.carried_limit_bytes() // 4 + 1
+    assert not ENGINE.rides_on_headers("radix4", 16, too_big, 4, alpha, beta, gamma, staged=True)
     with pytest.raises(ValueError, match="no cross-host algorithm named 'tree-ish'"):
         choose("tree-ish", 4, 1, 4, alpha, beta, gamma)
     with pytest.raises(ValueError, match="only rabenseifner takes a count of halvings"):

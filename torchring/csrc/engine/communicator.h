@@ -239,6 +239,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // that `member`, whose header is `header`, then carries (none: no steps).
   bool ridesOnHeaders(const OpHeader& header) const;
   Schedule carriedPlan(const OpHeader& header, int member) const;
+  // Every host has several ranks: the host's reduce writes a riding allreduce's leader buffer,
+  // so riding copies nothing more (cost.h carrySeconds). Alike on every rank.
+  bool staged() const;
   // `all` holds this host's headers; fills the others (carry: what this operation carries;
   // its planOf is set here, from the headers, for every operation alike).
   void exchangeHostHeaders(std::vector<OpHeader>& all, const TcpLinks::Carry* carry);
@@ -262,6 +265,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   std::unique_ptr<ShmGroup> shm_;
   std::unique_ptr<TcpLinks> tcp_;
   LinkCost cost_;  // the job's agreed cost model (setLinkCost)
+  std::vector<char> carryWork_;  // fused.cpp: a riding allreduce's leader buffer (kept: no page faults)
   std::unique_ptr<P2P> p2p_;
   FailureBoard board_;
   struct News;

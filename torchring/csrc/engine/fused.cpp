@@ -2,13 +2,15 @@
 //
 // Every operation on several hosts starts with the leaders' header exchange
 // (TcpLinks::exchangeHeaders: recursive doubling whose messages summarize the headers their
-// sender knows). An allreduce whose algorithm is Doubling or Rabenseifner (any halvings),
-// small enough that copying it once costs less than the header exchange's steps
-// (schedule/cost.h ridesOnHeaders), carries its data in the same messages (carriedPlan): the
-// host's ranks reduce their tensors into a buffer of the leader's own (its `work`), the
-// leaders' schedule runs its first steps inside the header exchange and the rest once every
-// header is known to agree, and every rank checks the headers as usual. Its steps are the
-// header exchange's instead of coming after them: log2(hosts) steps fewer. Which schedule a
+// sender knows; Doubling's schedule, or Multiplying's where groups of transfers pay,
+// schedule/cost.h headerAlgo). An allreduce whose schedule begins with the header's (Doubling
+// or Rabenseifner on Doubling's, Multiplying or Radix4 on Multiplying's), small enough that
+// copying it once costs less than the header exchange's steps (cost.h ridesOnHeaders; no
+// copy when every host has several ranks, staged()), carries its data in the same messages
+// (carriedPlan): the host's ranks reduce their tensors into a buffer of the leader's own
+// (its `work`), the leaders' schedule runs its first steps inside the header exchange and
+// the rest once every header is known to agree, and every rank checks the headers as usual.
+// Its steps are the header exchange's instead of coming after them. Which schedule a
 // member carries is a function of its header alone, which every receiver holds before the
 // data, so ranks that issued different operations still read every message whole and all
 // fail with the same CollectiveMismatchError; the folds change only `work`, and the caller's
@@ -23,7 +25,14 @@ bool Communicator::ridesOnHeaders(const OpHeader& header) const {
   if (static_cast<OpKind>(header.kind) != OpKind::ALLREDUCE || header.onGpu) return false;
   const auto dtype = static_cast<DType>(header.dtype);
   return torchring::ridesOnHeaders(static_cast<Algo>(header.algo), numHosts(), header.count,
-                                   isHalfFloat(dtype) ? 4 : elementSize(dtype), cost_);
+                                   isHalfFloat(dtype) ? 4 : elementSize(dtype), cost_, staged());
+}
+
+bool Communicator::staged() const {
+  for (const auto& host : opt_.hosts) {
+    if (host.size() < 2) return false;
+  }
+  return true;
 }
 
 Schedule Communicator::carriedPlan(const OpHeader& header, int member) const {
@@ -36,6 +45,7 @@ void Communicator::exchangeHostHeaders(std::vector<OpHeader>& all, const TcpLink
     // Without a carry this operation carries nothing: others' data is read and dropped.
     TcpLinks::Carry what = carry ? *carry : TcpLinks::Carry();
     what.planOf = [this](const OpHeader& header, int member) { return carriedPlan(header, member); };
+    what.shape = headerAlgo(numHosts(), cost_);
     tcp_->exchangeHeaders(all, opt_.hosts, what);
     if (shm_) shm_->publishAllHeaders(all);
   } else {
@@ -63,18 +73,21 @@ at::Tensor Communicator::runCarried(Op& op) {
   }
   const char* in = static_cast<const char*>(source.data_ptr());
   // The leader's work: the host's sum (float32 for 16-bit floats), which the folds change.
-  std::vector<char> work(isLeader() ? count * (half ? 4 : elementSize(dtype)) : 0);
+  if (isLeader() && carryWork_.size() < count * (half ? 4 : elementSize(dtype))) {
+    carryWork_.resize(count * (half ? 4 : elementSize(dtype)));
+  }
+  char* work = isLeader() ? carryWork_.data() : nullptr;
   if (localOk && shm_) {
-    shm_->reduceToLeader(in, count, dtype, rop, work.data());
+    shm_->reduceToLeader(in, count, dtype, rop, work);
   } else if (isLeader() && half) {
-    widenToFloat(reinterpret_cast<float*>(work.data()), in, count, dtype);
+    widenToFloat(reinterpret_cast<float*>(work), in, count, dtype);
   } else if (isLeader() && count > 0) {
-    std::memcpy(work.data(), in, count * elementSize(dtype));
+    std::memcpy(work, in, count * elementSize(dtype));
   }
   char* data = static_cast<char*>(op.tensor.data_ptr());
   TcpLinks::Carry carry;
   carry.data = data;
-  carry.work = work.data();
+  carry.work = work;
   carry.op = rop;
   carry.scale = scale;
   exchangeHostHeaders(all, &carry);

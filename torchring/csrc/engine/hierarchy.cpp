@@ -167,7 +167,7 @@ AllreduceChoice Communicator::allreduceAlgo(const OpHeader& header) const {
     }
     return chooseReduceScatter(forced.algo, forced.levels, header.count, esize, blockBytes, cost_);
   }
-  return chooseAllreduce(forced, numHosts(), header.count, esize, cost_);
+  return chooseAllreduce(forced, numHosts(), header.count, esize, cost_, staged());
 }
 
 std::string Communicator::allreduceAlgoOf(const at::Tensor& tensor) const {

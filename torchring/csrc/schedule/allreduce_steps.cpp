@@ -30,6 +30,13 @@
 // in reverse order, one group per level: c sends its part d to the same members and receives
 // theirs. log4(p2) groups each way, each moving (radix - 1)/radix of the window: the bytes of
 // Rabenseifner in half its steps, as the links carry the group's transfers side by side.
+//
+// Multiplying: Doubling with Radix4's levels (recursive multiplying in radix 4): at the level
+// of (shift, radix) core member c sends its whole buffer to core member c ^ (j << shift) and
+// folds that member's, for j = 1 .. radix - 1 at once. log4(p2) groups of (radix - 1)·n bytes
+// each way: Doubling's result in half its steps. Radix4's first groups are Multiplying's
+// (the same partners in the same order), so where the header exchange takes Multiplying's
+// shape (cost.h headerAlgo) both ride on it as Doubling and Rabenseifner ride on Doubling's.
 #include <algorithm>
 #include <stdexcept>
 
@@ -46,6 +53,7 @@ const char* algoName(Algo algo) {
     case Algo::Tree: return "tree";
     case Algo::Bruck: return "bruck";
     case Algo::Radix4: return "radix4";
+    case Algo::Multiplying: return "multiplying";
   }
   return "?";
 }
@@ -204,6 +212,24 @@ Schedule radix(int members, int me, size_t count) {
   return s;
 }
 
+Schedule multiplying(int members, int me, size_t count) {
+  Schedule s;
+  s.algo = Algo::Multiplying;
+  const int c = coreOf(members, me);
+  foldStep(s, members, me, count, true);
+  if (c >= 0) {
+    for (const auto& [shift, radix] : radixLevels(members)) {
+      for (int j = 1; j < radix; ++j) {
+        const int partner = memberOf(members, c ^ (j << shift));
+        s.steps.push_back({partner, partner, {whole(count)}, {whole(count)}, true, j + 1 < radix});
+      }
+    }
+    s.owned = {whole(count)};
+  }
+  foldStep(s, members, me, count, false);
+  return s;
+}
+
 }  // namespace
 
 std::vector<std::pair<int, int>> radixLevels(int members) {
@@ -255,6 +281,7 @@ Schedule allreduceSchedule(Algo algo, int members, int me, size_t count, int lev
     case Algo::Doubling:
     case Algo::Rabenseifner: return halving(algo, members, me, count, halvingsOf(algo, members, levels));
     case Algo::Radix4: return radix(members, me, count);
+    case Algo::Multiplying: return multiplying(members, me, count);
     default: throw std::invalid_argument(std::string("allreduceSchedule: no allreduce named ") + algoName(algo));
   }
 }

@@ -7,6 +7,7 @@
 //                  of the n/2^k window (sent and folded), k steps back (..., n/4, n/2 sent)
 //   radix4:        fold + per level of radix r on a window of w bytes, a group there (sends
 //                  and folds (r - 1)·w/r) and a group back (sends (r - 1)·w/r)
+//   multiplying:   fold + per level of radix r a group that sends and folds (r - 1)·n
 // A group of steps that run at once (schedule.h withNext) costs one alphaGroup (groupAlpha):
 // its transfers share the leader's link (their bytes add up) and its folds add up.
 // A chunk or block is the largest one (count split as chunkOf), so uneven splits cost what
@@ -81,6 +82,14 @@ double allreduceSeconds(Algo algo, int members, size_t count, size_t esize, cons
       }
       return fold + levels;
     }
+    case Algo::Multiplying: {
+      double levels = 0;
+      for (const auto& [shift, radix] : radixLevels(members)) {
+        const double moved = n * (radix - 1), latency = radix > 2 ? groupAlpha(cost) : a;
+        levels += latency + moved * b + moved * g;
+      }
+      return fold + levels;
+    }
     default:
       throw std::invalid_argument(std::string("allreduceSeconds: no allreduce named ") + algoName(algo));
   }
@@ -110,26 +119,44 @@ double broadcastSeconds(Algo algo, int members, size_t bytes, size_t segment, co
   throw std::invalid_argument(std::string("broadcastSeconds: no broadcast named ") + algoName(algo));
 }
 
-double headerSeconds(int members, const LinkCost& cost) {
-  return members <= 1 ? 0 : doublingSteps(members) * cost.alpha;
+Algo headerAlgo(int members, const LinkCost& cost) {
+  if (members <= 1) return Algo::Doubling;
+  const LinkCost latency{cost.alpha, 0, 0, cost.alphaGroup};  // summaries: their steps alone
+  return allreduceSeconds(Algo::Multiplying, members, 1, 1, latency) <
+                 allreduceSeconds(Algo::Doubling, members, 1, 1, latency)
+             ? Algo::Multiplying
+             : Algo::Doubling;
 }
 
-double carrySeconds(size_t bytes, const LinkCost& cost) { return static_cast<double>(bytes) * cost.gamma; }
+double headerSeconds(int members, const LinkCost& cost) {
+  if (members <= 1) return 0;
+  const LinkCost latency{cost.alpha, 0, 0, cost.alphaGroup};
+  return allreduceSeconds(headerAlgo(members, cost), members, 1, 1, latency);
+}
 
-bool ridesOnHeaders(Algo algo, int members, size_t count, size_t esize, const LinkCost& cost) {
+bool carriedBy(Algo header, Algo algo) {
+  if (header == Algo::Multiplying) return algo == Algo::Multiplying || algo == Algo::Radix4;
+  return algo == Algo::Doubling || algo == Algo::Rabenseifner;
+}
+
+double carrySeconds(size_t bytes, const LinkCost& cost, bool staged) {
+  return staged ? 0.0 : static_cast<double>(bytes) * cost.gamma;
+}
+
+bool ridesOnHeaders(Algo algo, int members, size_t count, size_t esize, const LinkCost& cost, bool staged) {
   const size_t work = count * esize;
-  return (algo == Algo::Doubling || algo == Algo::Rabenseifner) && members > 1 && work > 0 &&
-         work <= kCarriedLimitBytes && carrySeconds(work, cost) < headerSeconds(members, cost);
+  return members > 1 && carriedBy(headerAlgo(members, cost), algo) && work > 0 && work <= kCarriedLimitBytes &&
+         carrySeconds(work, cost, staged) < headerSeconds(members, cost);
 }
 
 AllreduceChoice chooseAllreduce(AllreduceChoice forced, int members, size_t count, size_t esize,
-                                const LinkCost& cost) {
+                                const LinkCost& cost, bool staged) {
   if (forced.algo != Algo::Auto) return forced;
   const double header = headerSeconds(members, cost);
   auto seconds = [&](Algo a, int levels) {
-    const bool rides = ridesOnHeaders(a, members, count, esize, cost);
+    const bool rides = ridesOnHeaders(a, members, count, esize, cost, staged);
     return allreduceSeconds(a, members, count, esize, cost, levels) +
-           (rides ? carrySeconds(count * esize, cost) : header);
+           (rides ? carrySeconds(count * esize, cost, staged) : header);
   };
   AllreduceChoice best{Algo::Ring, 0};
   double bestSeconds = seconds(Algo::Ring, 0);
@@ -141,6 +168,7 @@ AllreduceChoice chooseAllreduce(AllreduceChoice forced, int members, size_t coun
   for (int k = 1; k < coreLevels(members); ++k) consider(Algo::Rabenseifner, k);
   consider(Algo::Doubling, 0);
   consider(Algo::Radix4, 0);
+  consider(Algo::Multiplying, 0);
   return best;
 }
 

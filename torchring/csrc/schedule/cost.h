@@ -54,24 +54,34 @@ double broadcastSeconds(Algo algo, int members, size_t bytes, size_t segment, co
 // Reduce-scatter into blocks of these byte sizes (one per member) around the ring.
 double reduceScatterSeconds(const std::vector<size_t>& blockBytes, const LinkCost& cost);
 
-// Seconds of the header exchange every operation among hosts starts with (Doubling's steps).
+// The header exchange's shape (transport/tcp/headers.cpp): Multiplying where its groups cost
+// less than Doubling's steps (alphaGroup below twice alpha), else Doubling. Every rank
+// derives the same from the agreed cost.
+Algo headerAlgo(int members, const LinkCost& cost);
+// Seconds of the header exchange every operation among hosts starts with (headerAlgo's steps).
 double headerSeconds(int members, const LinkCost& cost);
+// Whether an allreduce under `algo` can ride on a header exchange of shape `header`: its first
+// steps are the header's (Doubling and Rabenseifner on Doubling, Multiplying and Radix4 on
+// Multiplying).
+bool carriedBy(Algo header, Algo algo);
 
 // The cheapest, or `forced` when it is not Auto (Ring forces the ring on every operation;
-// Doubling and Rabenseifner force that allreduce and leave allgather and broadcast to the model).
-// An allreduce's cost counts the header exchange, or for one that rides on it its copy
-// (ridesOnHeaders). Rabenseifner is weighed with every count of halvings, then Radix4.
+// the others force that allreduce and leave allgather and broadcast to the model). An
+// allreduce's cost counts the header exchange, or for one that rides on it its copy
+// (ridesOnHeaders; `staged`: every host has several ranks). Rabenseifner is weighed with
+// every count of halvings, then Doubling, Radix4 and Multiplying.
 AllreduceChoice chooseAllreduce(AllreduceChoice forced, int members, size_t count, size_t esize,
-                                const LinkCost& cost);
-// Seconds of the copy an allreduce riding on the header exchange makes (`bytes`: the tensor
-// into the leader's buffer, or with several ranks per host what the host's stage writes there
-// and the result back), at gamma per byte.
-double carrySeconds(size_t bytes, const LinkCost& cost);
+                                const LinkCost& cost, bool staged = false);
+// Seconds of the copy an allreduce riding on the header exchange makes, at gamma per byte:
+// the tensor into the leader's buffer on a host of one rank; none when `staged` (every host
+// has several ranks, and the host's reduce writes the leader's buffer instead of its tensor).
+double carrySeconds(size_t bytes, const LinkCost& cost, bool staged = false);
 // True when an allreduce of `count` elements of `esize` bytes (float32 for 16-bit floats)
-// under `algo` among `members` rides on the header exchange (engine/fused.cpp): Doubling or
-// Rabenseifner, at most kCarriedLimitBytes, and its copy costs less than the header
-// exchange's steps it saves. Every rank decides alike (the job agrees on `cost`).
-bool ridesOnHeaders(Algo algo, int members, size_t count, size_t esize, const LinkCost& cost);
+// under `algo` among `members` rides on the header exchange (engine/fused.cpp): carriedBy the
+// header's shape, at most kCarriedLimitBytes, and its copy costs less than the header
+// exchange's steps it saves. Every rank decides alike (the job agrees on `cost`, and every
+// rank knows how many ranks each host has).
+bool ridesOnHeaders(Algo algo, int members, size_t count, size_t esize, const LinkCost& cost, bool staged = false);
 // Reduce-scatter among hosts: Algo::Ring for the ring reduce-scatter (reduceScatterSchedule),
 // else the allreduce algorithm whose result each host slices (cheaper for small sizes, where
 // log-depth steps win). `count` and `esize` describe the whole tensor, blockBytes the hosts' parts.

@@ -39,6 +39,7 @@ enum class Algo : uint8_t {
   Tree = 4,          // broadcast: binomial tree from the root
   Bruck = 5,         // allgather: Bruck's concatenation (distance 1, 2, 4, ...), any member count
   Radix4 = 6,        // allreduce: Rabenseifner in radix 4: each level swaps quarters with 3 members at once
+  Multiplying = 7,   // allreduce: Doubling in radix 4: each level swaps the whole buffer with 3 members at once
 };
 // "ring", "doubling", ...: the words TORCHRING_ALGO takes and messages use.
 const char* algoName(Algo algo);
@@ -88,7 +89,8 @@ int halvingsOf(Algo algo, int members, int levels);
 std::vector<std::pair<int, int>> radixLevels(int members);
 // The index of the first step after step `i`'s group.
 size_t groupEnd(const std::vector<Step>& steps, size_t i);
-// Ring, Doubling, Rabenseifner (with `levels` halvings, halvingsOf) or Radix4, for `count` elements.
+// Ring, Doubling, Rabenseifner (with `levels` halvings, halvingsOf), Radix4 or Multiplying,
+// for `count` elements.
 Schedule allreduceSchedule(Algo algo, int members, int me, size_t count, int levels = 0);
 // Reduce-scatter around the ring: member m ends owning `blocks[m]` (element ranges, any
 // sizes, member blocks disjoint) reduced over every member; nothing is spread after.
@@ -100,8 +102,9 @@ Schedule broadcastSchedule(Algo algo, int members, int me, int root, size_t byte
 
 // When every message of a schedule also carries the blocks its sender knows so far (each
 // member starts knowing its own), which members' blocks each of `me`'s steps sends and
-// receives. Under Doubling every member ends knowing every block: an allgather riding on
-// the allreduce (the header exchange, engine/fused.cpp).
+// receives (a group's steps all send what their member knows when the group starts). Under
+// Doubling and Multiplying every member ends knowing every block: an allgather riding on the
+// allreduce (the header exchange, engine/fused.cpp).
 struct Carried {
   std::vector<int> sent, received;  // member blocks, ascending
 };

@@ -99,9 +99,9 @@ Schedule broadcastSchedule(Algo algo, int members, int me, int root, size_t byte
   return s;
 }
 
-// Replays every member's steps as messages (a step posts its send, then waits for the
-// matching receive from its partner, messages between two members kept in order), each
-// message carrying the set of blocks its sender knows when the step starts.
+// Replays every member's steps as messages (a group of steps posts its sends, then each step
+// waits for the matching receive from its partner, messages between two members kept in
+// order), each message carrying the set of blocks its sender knows when the group starts.
 std::vector<Carried> carriedAlong(Algo algo, int members, int me) {
   std::vector<Schedule> all;
   for (int m = 0; m < members; ++m) all.push_back(allreduceSchedule(algo, members, m, 1));
@@ -109,7 +109,7 @@ std::vector<Carried> carriedAlong(Algo algo, int members, int me) {
   for (int m = 0; m < members; ++m) known[m][m] = true;
   std::map<std::pair<int, int>, std::deque<std::vector<bool>>> queue;  // (from, to) -> messages
   std::vector<size_t> pos(members, 0);
-  std::vector<bool> posted(members, false);
+  std::vector<bool> posted(members, false);  // the sends of the group pos[m] is in
   std::vector<Carried> out(all[me].steps.size());
   auto members_of = [&](const std::vector<bool>& set) {
     std::vector<int> list;
@@ -121,13 +121,17 @@ std::vector<Carried> carriedAlong(Algo algo, int members, int me) {
   for (bool progressed = true; progressed;) {
     progressed = false;
     for (int m = 0; m < members; ++m) {
-      if (pos[m] == all[m].steps.size()) continue;
-      const Step& step = all[m].steps[pos[m]];
-      if (!posted[m] && step.sendTo >= 0) {
-        queue[{m, step.sendTo}].push_back(known[m]);
-        if (m == me) out[pos[m]].sent = members_of(known[m]);
+      const std::vector<Step>& steps = all[m].steps;
+      if (pos[m] == steps.size()) continue;
+      if (!posted[m]) {
+        for (size_t i = pos[m]; i < groupEnd(steps, pos[m]); ++i) {
+          if (steps[i].sendTo < 0) continue;
+          queue[{m, steps[i].sendTo}].push_back(known[m]);
+          if (m == me) out[i].sent = members_of(known[m]);
+        }
+        posted[m] = true;
       }
-      posted[m] = true;
+      const Step& step = steps[pos[m]];
       if (step.recvFrom >= 0) {
         auto& from = queue[{step.recvFrom, m}];
         if (from.empty()) continue;
@@ -136,8 +140,8 @@ std::vector<Carried> carriedAlong(Algo algo, int members, int me) {
         if (m == me) out[pos[m]].received = members_of(got);
         for (int b = 0; b < members; ++b) known[m][b] = known[m][b] || got[b];
       }
+      if (!step.withNext) posted[m] = false;
       ++pos[m];
-      posted[m] = false;
       progressed = true;
     }
   }
@@ -146,8 +150,8 @@ std::vector<Carried> carriedAlong(Algo algo, int members, int me) {
 }
 
 // Ring neighbours, members at distance 2^k either way (Bruck, the tree from any root), the
-// fold and core partners of Doubling and Rabenseifner (the same for both), and Radix4's
-// (those and, at each radix-4 level, core member c ^ (3 << shift)). The relation
+// fold and core partners of Doubling and Rabenseifner (the same for both), and Radix4's and
+// Multiplying's (those and, at each radix-4 level, core member c ^ (3 << shift)). The relation
 // is symmetric, so each pair agrees that the lower member dials.
 std::vector<int> partnersOf(int members, int me) {
   std::set<int> out;

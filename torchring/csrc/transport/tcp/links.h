@@ -87,14 +87,15 @@ class TcpLinks {
                            // partial sums for 16-bit floats, else data's dtype; not `data`)
     ReduceOp op = ReduceOp::SUM;
     double scale = 1.0;        // applied once to the result (AVG's 1/size, the postscale)
+    Algo shape = Algo::Doubling;  // the header exchange's schedule (cost.h headerAlgo), alike on every member
     // The allreduce schedule a member whose header is `header` carries (no steps: it carries
     // nothing). Every member computes the same from the same header, which arrives before
     // the data, so the streams stay aligned whatever the operations are.
     std::function<Schedule(const OpHeader& header, int member)> planOf;
   };
-  // Every rank's header to every member: recursive doubling among the members (schedule
-  // Doubling, with its fold in and out) whose messages carry a summary of the headers their
-  // sender knows, and the allreduce `carry` names (headers.cpp says how). all[r]: rank r's
+  // Every rank's header to every member: the allreduce schedule carry.shape (Doubling or
+  // Multiplying, with its fold in and out) among the members, whose messages carry a summary
+  // of the headers their sender knows, and the allreduce `carry` names (headers.cpp says how). all[r]: rank r's
   // header, filled for this member's ranks (ranksOf[member], its leader first); on return
   // every entry is filled (another host's ranks with this leader's own header when every
   // header in the job is sameForAll with it). Returns true when every header was sameForAll
@@ -182,7 +183,8 @@ class TcpLinks {
   OpHeader op_;
   bool hasOp_ = false;  // no operation yet: messages say "setup"
   std::vector<char> scratch_;
-  std::vector<Step> headerSteps_;     // exchangeHeaders' schedule for this member (made once)
+  Algo headerAlgo_ = Algo::Doubling;
+  std::vector<Step> headerSteps_;     // exchangeHeaders' schedule for this member (made per shape)
   std::vector<Carried> headerBlocks_;  // and the member blocks each of its steps carries
   std::vector<float> hostSum_;
   std::function<std::string(int, const std::string&)> explain_;
