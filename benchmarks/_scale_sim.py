@@ -2,12 +2,14 @@
 modelled links (benchmarks/scale_model.py is the command line).
 
 A plan is one list of steps per host leader, read from the engine's bindings, never
-re-derived here: the header exchange every operation among hosts starts with (the Doubling
-schedule, ``allreduce_schedule("doubling", ...)``, each message one summary of the headers its
-sender knows: the engine's rounds when every rank's header agrees), then the allreduce's own
-schedule (``allreduce_schedule``), or, for a Doubling or Rabenseifner allreduce small enough to
-ride on the header exchange (``rides_on_headers``), its own schedule whose first steps carry the
-summaries (engine/fused.cpp). A step sends some bytes to
+re-derived here: the header exchange every operation among hosts starts with (the schedule of
+its shape, ``header_algo``: Doubling's, or Multiplying's where a group of transfers at once
+costs less than Doubling's steps; each message one summary of the headers its sender knows:
+the engine's rounds when every rank's header agrees), then the allreduce's own schedule
+(``allreduce_schedule``), or, for an allreduce that rides on the header exchange
+(``rides_on_headers``: Doubling or Rabenseifner on Doubling's shape, Multiplying or Radix4 on
+Multiplying's, small enough), its own schedule whose first steps carry the summaries
+(engine/fused.cpp). A step sends some bytes to
 one leader and receives some from one (either may be absent) at the same time, as
 torchring/csrc/schedule/schedule.h says, and a step marked ``with_next`` runs at the same time
 as the next one (a group, as Radix4's three transfers of a level); a delay step is a local
@@ -127,33 +129,41 @@ def allreduce_steps(E: Any, algo: str, hosts: int, count: int, esize: int) -> tu
     return tuple(out)
 
 
-def rides(E: Any, algo: str, hosts: int, count: int, esize: int, net: Net) -> bool:
-    """Whether the allreduce rides on the header exchange (engine/fused.cpp carriedPlan): Doubling
-    or Rabenseifner (any halvings) whose copy of the tensor costs less than the header
-    exchange's steps (E.rides_on_headers, the engine's own rule)."""
-    return bool(E.rides_on_headers(algo, hosts, count, esize, net.alpha, net.beta, net.gamma))
+def rides(E: Any, algo: str, hosts: int, count: int, esize: int, net: Net, per_host: int = 1) -> bool:
+    """Whether the allreduce rides on the header exchange (engine/fused.cpp carriedPlan): its
+    first steps are the header's shape and its copy into the leader's buffer (none with several
+    ranks per host) costs less than the header exchange's steps (E.rides_on_headers, the
+    engine's own rule)."""
+    return bool(E.rides_on_headers(algo, hosts, count, esize, net.alpha, net.beta, net.gamma, net.alpha_group,
+                                   staged=per_host > 1))
+
+
+def header_shape(E: Any, hosts: int, net: Net) -> str:
+    """The header exchange's schedule (E.header_algo): "doubling" or "multiplying"."""
+    return str(E.header_algo(hosts, net.alpha, net.alpha_group))
 
 
 @lru_cache(maxsize=256)
-def header_steps(E: Any, hosts: int) -> tuple[tuple[Step, ...], ...]:
+def header_steps(E: Any, hosts: int, shape: str = "doubling") -> tuple[tuple[Step, ...], ...]:
     """Every leader's steps of the header exchange (transport/tcp/headers.cpp) when the headers
-    agree: Doubling's steps, each message one SUMMARY_BYTES summary whatever the ranks per host."""
+    agree: `shape`'s steps, each message one SUMMARY_BYTES summary whatever the ranks per host."""
     out = []
     for me in range(hosts):
-        steps = E.allreduce_schedule("doubling", hosts, me, 1)["steps"]
+        steps = E.allreduce_schedule(shape, hosts, me, 1)["steps"]
         out.append(tuple((s["send_to"], s["recv_from"], SUMMARY_BYTES if s["send_to"] >= 0 else 0,
                           SUMMARY_BYTES if s["recv_from"] >= 0 else 0, 0, 0.0, int(s["with_next"])) for s in steps))
     return tuple(out)
 
 
 @lru_cache(maxsize=256)
-def carried_steps(E: Any, algo: str, hosts: int, count: int, esize: int) -> tuple[tuple[Step, ...], ...]:
-    """Every leader's steps of an allreduce riding on the header exchange: its own schedule,
-    whose first steps (the fold in and the core's log2 p2) and fold out are the header
+def carried_steps(E: Any, algo: str, hosts: int, count: int, esize: int,
+                  shape: str = "doubling") -> tuple[tuple[Step, ...], ...]:
+    """Every leader's steps of an allreduce riding on a header exchange of `shape`: its own
+    schedule, whose first steps (the fold in and the core's groups) and fold out are the header
     exchange's and carry a summary each besides their data."""
     body, out = allreduce_steps(E, algo, hosts, count, esize), []
     rem = hosts - (1 << (hosts.bit_length() - 1))
-    for me, (steps, head) in enumerate(zip(body, header_steps(E, hosts))):
+    for me, (steps, head) in enumerate(zip(body, header_steps(E, hosts, shape))):
         folds = me < 2 * rem
         core = len(head) - (1 if folds else 0)
         marked = set(range(core)) | ({len(steps) - 1} if folds else set())
@@ -163,19 +173,27 @@ def carried_steps(E: Any, algo: str, hosts: int, count: int, esize: int) -> tupl
     return tuple(out)
 
 
+def _carry(E: Any, nbytes: int, net: Net, per_host: int) -> float:
+    """Seconds of a riding allreduce's copy into the leader's buffer (E.carry_seconds)."""
+    return float(E.carry_seconds(nbytes, net.alpha, net.beta, net.gamma, staged=per_host > 1))
+
+
 def plan(E: Any, algo: str, hosts: int, per_host: int, count: int, esize: int, shm: Shm,
          net: Net) -> list[list[Step]]:
     """Every leader's steps of one allreduce as the engine runs it (engine/communicator.cpp run):
     the header exchange, the host's shared-memory reduce, `algo` among the leaders, the host's
     broadcast; an allreduce that rides on the header exchange copies its tensor into the leader's
-    buffer (E.carry_seconds), reduces in the host, runs its schedule with the headers on its
-    first steps (engine/fused.cpp), then the broadcast."""
+    buffer on a host of one rank (E.carry_seconds; with several, the host's reduce writes it),
+    reduces in the host, runs its schedule with the headers on its first steps
+    (engine/fused.cpp), then the broadcast."""
     stage = shm.stage(count * esize, per_host)
     shm_step: list[Step] = [(-1, -1, 0, 0, 0, stage, 0)] if stage > 0 else []
-    if rides(E, algo, hosts, count, esize, net):
-        copy: Step = (-1, -1, 0, 0, 0, E.carry_seconds(count * esize, net.alpha, net.beta, net.gamma), 0)
-        return [[copy] + shm_step + list(steps) + shm_step for steps in carried_steps(E, algo, hosts, count, esize)]
-    head, body = header_steps(E, hosts), allreduce_steps(E, algo, hosts, count, esize)
+    shape = header_shape(E, hosts, net)
+    if rides(E, algo, hosts, count, esize, net, per_host):
+        copy: list[Step] = [(-1, -1, 0, 0, 0, _carry(E, count * esize, net, per_host), 0)] if per_host <= 1 else []
+        return [copy + shm_step + list(steps) + shm_step
+                for steps in carried_steps(E, algo, hosts, count, esize, shape)]
+    head, body = header_steps(E, hosts, shape), allreduce_steps(E, algo, hosts, count, esize)
     return [list(head[m]) + shm_step + list(body[m]) + shm_step for m in range(hosts)]
 
 
@@ -214,11 +232,12 @@ def closed_form(E: Any, algo: str, hosts: int, per_host: int, count: int, esize:
     slowest leader; for an allreduce riding on it, its summaries' bytes and its copy), "shm" the
     stages."""
     alone = E.allreduce_seconds(algo, hosts, count, esize, net.alpha, net.beta, net.gamma, net.alpha_group)
-    if rides(E, algo, hosts, count, esize, net):
-        head = (max(step_sum(s, net) for s in carried_steps(E, algo, hosts, count, esize)) - alone
-                + E.carry_seconds(count * esize, net.alpha, net.beta, net.gamma))
+    shape = header_shape(E, hosts, net)
+    if rides(E, algo, hosts, count, esize, net, per_host):
+        head = (max(step_sum(s, net) for s in carried_steps(E, algo, hosts, count, esize, shape)) - alone
+                + _carry(E, count * esize, net, per_host))
     else:
-        head = max(step_sum(h, net) for h in header_steps(E, hosts))
+        head = max(step_sum(h, net) for h in header_steps(E, hosts, shape))
     return {"header": head, "allreduce": alone, "shm": 2 * shm.stage(count * esize, per_host)}
 
 

@@ -77,7 +77,8 @@ import _scale_sim as sim  # noqa: E402
 from _harness import common_args, finish, machine_info, print_header  # noqa: E402
 from _sizes import fmt_size, parse_size  # noqa: E402
 
-MARK = {"ring": "r", "doubling": "d", "rabenseifner": "h", "radix4": "q"}  # h: halving + doubling; q: radix 4
+# h: halving + doubling; q: radix 4; m: recursive multiplying (radix 4)
+MARK = {"ring": "r", "doubling": "d", "rabenseifner": "h", "radix4": "q", "multiplying": "m"}
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp64": 8, "float64": 8, "bf16": 2, "bfloat16": 2, "fp16": 2,
                "float16": 2}
 DEFAULT_SIZES = ",".join(str(4 ** k) for k in range(1, 15))  # 4 B .. 256 MiB
@@ -85,7 +86,8 @@ QUICK_SIZES = ",".join(str(4 * 16 ** k) for k in range(7))  # 4 B .. 64 MiB
 
 
 def _mark(algo: str) -> str:
-    """The table's letter for an algorithm: r, d, h (all halvings), hK (K halvings, then doubling), q (Radix4)."""
+    """The table's letter for an algorithm: r, d, h (all halvings), hK (K halvings, then doubling), q (Radix4),
+    m (Multiplying)."""
     word, _, levels = algo.partition(":")
     return MARK[word] + levels
 
@@ -130,7 +132,7 @@ def project(E: Any, a: argparse.Namespace) -> list[dict]:
                            "overhead_us": a.overhead_us, "alpha_us": net.alpha * 1e6, "bytes": count * a.esize,
                            "bound_s": bound}
                     choice = E.choose_allreduce("auto", hosts, count, a.esize, net.alpha, net.beta, net.gamma,
-                                                net.alpha_group)
+                                                net.alpha_group, staged=a.per_host > 1)
                     for label, algo in (("choice", choice), ("ring", "ring")):
                         secs, engine = run_point(E, a, algo, hosts, a.per_host, count, a.esize, net, shm)
                         closed = sim.closed_form(E, algo, hosts, a.per_host, count, a.esize, net, shm)
@@ -150,7 +152,7 @@ def print_projection(rows: list[dict], goal: float) -> None:
     at = {(r["hosts"], r["rate_gbit"], r["latency_us"], r["bytes"]): r for r in rows}
     for label in ("choice", "ring"):
         print(f"\n{label} / bound (cross-host time: header exchange + algorithm; "
-              f"{'letter = algorithm chosen: r ring, d doubling, h Rabenseifner, hK its K halvings, q radix4; ' if label == 'choice' else ''}"
+              f"{'letter = algorithm chosen: r ring, d doubling, h Rabenseifner, hK its K halvings, q radix4, m multiplying; ' if label == 'choice' else ''}"
               f"* = above {goal})")
         print("| hosts | Gbit/s | D µs | " + " | ".join(fmt_size(n) for n in sizes) + " |")
         print("|---|---|---|" + "---|" * len(sizes))
@@ -250,7 +252,7 @@ def validate(E: Any, a: argparse.Namespace, measured: list[dict]) -> list[dict]:
         net = sim.Net(bw, lat, s, m["gamma"], 0, 1.0, not a.rendezvous, extra)
         forced = m["algo"]
         algo = m.get("chosen") or E.choose_allreduce(forced, hosts, count, esize, m["alpha"], m["beta"], m["gamma"],
-                                                     net.alpha_group)
+                                                     net.alpha_group, staged=per_host > 1)
         pred, engine = run_point(E, a, algo, hosts, per_host, count, esize, net, shm)
         closed = sum(sim.closed_form(E, algo, hosts, per_host, count, esize, net, shm).values())
         rows.append({"hosts": hosts, "per_host": per_host, "bytes": nbytes, "algo": forced, "ran": algo,
