@@ -44,7 +44,7 @@ import torch  # noqa: E402
 from _harness import common_args, finish, machine_info, max_over_ranks  # noqa: E402
 from _sizes import fmt_size, parse_size  # noqa: E402
 
-ALGOS = ("auto", "ring", "doubling", "rabenseifner", "radix4")
+ALGOS = ("auto", "ring", "doubling", "rabenseifner", "radix4", "multiplying")
 PORT = 29500
 
 
