@@ -119,13 +119,14 @@ def test_allreduce_halvings_among_five_hosts(algo: str) -> None:
     _sweep_on("tcp-5", _allreduce_sweep, algo)
 
 
+@pytest.mark.parametrize("algo", ["radix4", "multiplying"])
 @pytest.mark.parametrize("layout", ["tcp-4", "tcp-5", "hybrid-abcda"])
-def test_allreduce_radix4_groups(layout: str) -> None:
-    """Radix4 among 4 hosts (one radix-4 level: three transfers at once each way, three folds
-    into one quarter in a fixed order), 5 (one folds in and out of the core of four), and 4
-    hosts with a second rank on one of them; the header exchange in Doubling's shape, so none
-    of it rides on the headers)."""
-    _sweep_on(layout, _allreduce_sweep, "radix4", header="doubling")
+def test_allreduce_radix4_groups(layout: str, algo: str) -> None:
+    """Radix4 and Multiplying among 4 hosts (one radix-4 level: three transfers at once each
+    way, three folds into one quarter, or the whole buffer, in a fixed order), 5 (one folds in
+    and out of the core of four), and 4 hosts with a second rank on one of them; the header
+    exchange in Doubling's shape, so none of it rides on the headers)."""
+    _sweep_on(layout, _allreduce_sweep, algo, header="doubling")
 
 
 @pytest.mark.parametrize("algo", ["multiplying", "radix4", "auto"])
@@ -191,7 +192,8 @@ def test_tcp_ring_streams_multi_segment_chunks(layout: str) -> None:
     _sweep_on(layout, _tcp_streams, "ring")
 
 
-@pytest.mark.parametrize("algo", ["doubling", "rabenseifner", "radix4", "radix4 riding", "multiplying riding"])
+@pytest.mark.parametrize("algo", ["doubling", "rabenseifner", "radix4", "multiplying", "radix4 riding",
+                                  "multiplying riding"])
 def test_log_depth_steps_fold_as_bytes_arrive(algo: str) -> None:
     """The step-by-step allreduce on messages of several segments, 16-bit and scaled too
     (Radix4 on 4 hosts: a group's three receives fold segment by segment, in order; riding on
