@@ -149,6 +149,24 @@ def test_allreduce_rides_on_multiplying_headers(layout: str, algo: str) -> None:
     _sweep_on(layout, sweep, algo, header="multiplying")
 
 
+@pytest.mark.parametrize("forced", ["doubling", "multiplying"])
+def test_forced_header_shape(forced: str) -> None:
+    """TORCHRING_HEADER (CommOptions.header) keeps the header exchange's shape whatever the
+    agreed cost says: here a cost under which Multiplying's shape would win on 5 hosts, and the
+    choice for 1000 float32 follows the forced shape (what rides on it); every allreduce exact."""
+    hosts, transport, one_shot = LAYOUTS["tcp-5"]
+
+    def sweep(rank: int, comm: Any, world: int) -> list[str]:
+        chosen = comm.allreduce_algorithm(torch.zeros(1000))
+        want = "multiplying" if forced == "multiplying" else "doubling"
+        failures = [] if chosen == want else [f"rank {rank}: chose {chosen} under a forced {forced} header"]
+        return failures + _allreduce_sweep(rank, comm, world)
+    results = run_world(5, lambda r, c: sweep(r, c, 5), hosts, transport, one_shot_bytes=one_shot,
+                        header="multiplying", options={"header": list(ENGINE.ALGOS).index(forced)})
+    failures = [f for r in results for f in r]
+    assert not failures, "\n".join(failures[:20])
+
+
 @pytest.mark.parametrize("algo", ["doubling", "rabenseifner:1"])
 def test_allreduce_apart_from_multiplying_headers(algo: str) -> None:
     """Allreduces that do not ride on a header exchange of Multiplying's shape run after it."""

@@ -29,16 +29,19 @@ ENGINE = _build.load()
 
 def run_world(world: int, fn: Callable[[int, Any], Any], hosts: str = "", transport: str = "shm",
               segment_kb: int = 4, one_shot_bytes: int | None = None, timeout: float = 20.0,
-              arena_mb: int = 16, algo: str = "auto", header: str = "") -> list[Any]:
+              arena_mb: int = 16, algo: str = "auto", header: str = "",
+              options: dict[str, Any] | None = None) -> list[Any]:
     """Runs ``fn(rank, comm)`` on `world` wired communicators (`algo`: TORCHRING_ALGO's value;
     `header`: "doubling" or "multiplying" gives every rank a link cost that makes the header
-    exchange that shape, "" keeps the measured one); returns the results by rank."""
+    exchange that shape, "" keeps the measured one; `options`: CommOptions fields to set);
+    returns the results by rank."""
     hosts = hosts or "a" * world
     assert len(hosts) == world, f"hosts {hosts!r} must name one host per rank"
     groups = ([[r] for r in range(world)] if transport == "tcp"
               else _rendezvous.host_groups(list(hosts)))
     settings = Settings(timeout=timeout, shm_segment_kb=segment_kb, shm_arena_mb=arena_mb, algo=algo)
     overrides = {} if one_shot_bytes is None else {"one_shot_bytes": one_shot_bytes}
+    overrides.update(options or {})
     store, prefix = dist.HashStore(), f"engine-test/{uuid.uuid4().hex[:8]}/"
     results: list[Any] = [None] * world
     errors: list[BaseException | None] = [None] * world

@@ -149,6 +149,7 @@ def communicator(engine: Any, rank: int, world: int, groups: list[list[int]], se
     options.straggler_sec = settings.straggler_ms / 1000
     word, _, levels = settings.algo.partition(":")
     options.algo, options.levels = list(engine.ALGOS).index(word), int(levels or 0)
+    options.header = list(engine.ALGOS).index(settings.header)  # "auto" is index 0
     for field, value in overrides.items():
         setattr(options, field, value)
     return engine.Communicator(options)

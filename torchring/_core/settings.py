@@ -41,6 +41,7 @@ class Settings:
     timeout: float = DEFAULT_TIMEOUT_S  # TORCHRING_TIMEOUT, seconds without progress before failing
     transport: str = "auto"          # TORCHRING_TRANSPORT: auto, shm or tcp
     algo: str = "auto"               # TORCHRING_ALGO: auto, ring, doubling, rabenseifner[:K], radix4, multiplying
+    header: str = "auto"             # TORCHRING_HEADER: auto, doubling, multiplying (the header exchange's shape)
     hostname: str | None = None      # TORCHRING_HOSTNAME: None = socket.gethostname()
     addr: str | None = None          # TORCHRING_ADDR: None = the local address routing to MASTER_ADDR
     bind_addr: str | None = None     # TORCHRING_BIND_ADDR: None = loopback for a loopback addr, else all
@@ -244,6 +245,7 @@ _VARIABLES = (
     _Variable("TORCHRING_TIMEOUT", "timeout", _seconds, f"{DEFAULT_TIMEOUT_S:g}"),
     _Variable("TORCHRING_TRANSPORT", "transport", choice("auto", "shm", "tcp"), "auto"),
     _Variable("TORCHRING_ALGO", "algo", _algo, "auto"),
+    _Variable("TORCHRING_HEADER", "header", choice("auto", "doubling", "multiplying"), "auto"),
     _Variable("TORCHRING_HOSTNAME", "hostname", _word("a host identity"), "(this host's name)"),
     _Variable("TORCHRING_ADDR", "addr", _word("a host name or IP address"), "(the route to MASTER_ADDR)"),
     _Variable("TORCHRING_BIND_ADDR", "bind_addr", _ipv4, "(all interfaces)"),

@@ -248,7 +248,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                      "stores for shared-memory staging writes: 0 auto (measured), 1 cached, 2 streaming")
       .def_readwrite("algo", &CommOptions::algo,
                      "the algorithm among hosts (ALGOS index; 0: the cost model chooses per operation)")
-      .def_readwrite("levels", &CommOptions::levels, "with algo rabenseifner: its halvings (0: all)");
+      .def_readwrite("levels", &CommOptions::levels, "with algo rabenseifner: its halvings (0: all)")
+      .def_readwrite("header", &CommOptions::header,
+                     "the header exchange's shape (ALGOS index of doubling or multiplying; 0: the cost model's)");
 
 #ifdef TORCHRING_WITH_NCCL
   using torchring::NcclComm;

@@ -227,6 +227,13 @@ def test_algo_words(raw: str, want: str) -> None:
     assert Settings.from_env({"TORCHRING_ALGO": raw}).algo == want
 
 
+def test_header_words() -> None:
+    assert Settings.from_env({}).header == "auto"
+    assert Settings.from_env({"TORCHRING_HEADER": "Multiplying"}).header == "multiplying"
+    with pytest.raises(ValueError, match="TORCHRING_HEADER"):
+        Settings.from_env({"TORCHRING_HEADER": "radix4"})
+
+
 @pytest.mark.parametrize("raw", ["tree", "doubling:2", "rabenseifner:0", "rabenseifner:", "rabenseifner:x",
                                  "ring:1", "radix4:2", "radix", "multiplying:2"])
 def test_bad_algo_words(raw: str) -> None:

@@ -21,6 +21,12 @@ Communicator::Communicator(CommOptions options)
     for (int r = 0; r < opt_.size; ++r) traceRanks.push_back(r);
   }
   recorder_->setIdentity(opt_.traceName, opt_.traceDesc, std::move(traceRanks));
+  if (opt_.header != 0 && opt_.header != static_cast<int>(Algo::Doubling) &&
+      opt_.header != static_cast<int>(Algo::Multiplying)) {
+    throw std::invalid_argument("CommOptions: header must be 0 (auto), doubling or multiplying, got " +
+                                std::to_string(opt_.header));
+  }
+  setLinkCost(cost_);  // the forced header shape, before any measurement
   std::fill(std::begin(lateWindow_), std::end(lateWindow_), -1);
   lateCount_.assign(opt_.size, 0);
   lateNamed_.assign(opt_.size, false);

@@ -65,6 +65,9 @@ struct CommOptions {
   int algo = 0;
   // With algo Rabenseifner: its halvings (0: all; TORCHRING_ALGO=rabenseifner:K).
   int levels = 0;
+  // The header exchange's shape (Algo; 0: the cost model's rule, cost.h headerAlgo;
+  // TORCHRING_HEADER=doubling|multiplying).
+  int header = 0;
   // Random per-job token every TCP handshake must present.
   std::string secret;
   // For a group's communicator: put in front of its operations' failure messages, e.g.
@@ -122,7 +125,11 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // cost (the largest of each leader's figures) before start().
   void connectLinks(const std::vector<std::string>& addrs, const std::vector<int>& ports);
   LinkCost measureLinks();
-  void setLinkCost(const LinkCost& cost) { cost_ = cost; }
+  // The forced header shape (CommOptions::header) stays whatever the measured cost says.
+  void setLinkCost(const LinkCost& cost) {
+    cost_ = cost;
+    if (opt_.header != 0) cost_.header = static_cast<Algo>(opt_.header);
+  }
   // CommOptions::algo after start (benchmarks that interleave algorithms): only while no
   // operation is queued, and on every rank alike (a difference is a named mismatch).
   void setForcedAlgo(int algo) { opt_.algo = algo; }

@@ -120,6 +120,7 @@ double broadcastSeconds(Algo algo, int members, size_t bytes, size_t segment, co
 }
 
 Algo headerAlgo(int members, const LinkCost& cost) {
+  if (cost.header == Algo::Doubling || cost.header == Algo::Multiplying) return cost.header;
   if (members <= 1) return Algo::Doubling;
   const LinkCost latency{cost.alpha, 0, 0, cost.alphaGroup};  // summaries: their steps alone
   return allreduceSeconds(Algo::Multiplying, members, 1, 1, latency) <
@@ -131,7 +132,7 @@ Algo headerAlgo(int members, const LinkCost& cost) {
 double headerSeconds(int members, const LinkCost& cost) {
   if (members <= 1) return 0;
   const LinkCost latency{cost.alpha, 0, 0, cost.alphaGroup};
-  return allreduceSeconds(headerAlgo(members, cost), members, 1, 1, latency);
+  return allreduceSeconds(headerAlgo(members, cost), members, 1, 1, latency);  // (a forced shape's cost)
 }
 
 bool carriedBy(Algo header, Algo algo) {

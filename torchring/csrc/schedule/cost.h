@@ -37,6 +37,9 @@ struct LinkCost {
   // size; 0: alpha (the latencies overlap and the calls are few). Measured apart, as the three
   // messages' calls and wake-ups add up where the leaders' CPUs, not the wire, set the time.
   double alphaGroup = 0;
+  // The header exchange's shape when forced (TORCHRING_HEADER: Doubling or Multiplying);
+  // Auto: headerAlgo's rule. Alike on every rank (each sets it from the same setting).
+  Algo header = Algo::Auto;
 };
 // alphaGroup, or alpha when it is not set.
 inline double groupAlpha(const LinkCost& cost) { return cost.alphaGroup > 0 ? cost.alphaGroup : cost.alpha; }
@@ -54,9 +57,9 @@ double broadcastSeconds(Algo algo, int members, size_t bytes, size_t segment, co
 // Reduce-scatter into blocks of these byte sizes (one per member) around the ring.
 double reduceScatterSeconds(const std::vector<size_t>& blockBytes, const LinkCost& cost);
 
-// The header exchange's shape (transport/tcp/headers.cpp): Multiplying where its groups cost
-// less than Doubling's steps (alphaGroup below twice alpha), else Doubling. Every rank
-// derives the same from the agreed cost.
+// The header exchange's shape (transport/tcp/headers.cpp): cost.header when forced, else
+// Multiplying where its groups cost less than Doubling's steps (alphaGroup below twice
+// alpha), else Doubling. Every rank derives the same from the agreed cost.
 Algo headerAlgo(int members, const LinkCost& cost);
 // Seconds of the header exchange every operation among hosts starts with (headerAlgo's steps).
 double headerSeconds(int members, const LinkCost& cost);
