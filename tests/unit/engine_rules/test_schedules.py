@@ -290,6 +290,9 @@ def test_choice_follows_size_and_host_count() -> None:
     assert choose("auto", 16, 2, 4, alpha, beta, gamma, 2 * alpha) == "doubling"
     assert ENGINE.header_algo(16, alpha) == "multiplying" and ENGINE.header_algo(16, alpha, 2 * alpha) == "doubling"
     assert ENGINE.header_algo(2, alpha) == "doubling"  # one level: a group saves nothing
+    # Near a tie (within the tenth alphaGroup's measurements spread), Doubling's shape stays.
+    assert ENGINE.header_algo(16, alpha, 1.85 * alpha) == "doubling"
+    assert ENGINE.header_algo(16, alpha, 1.75 * alpha) == "multiplying"
     assert ENGINE.header_seconds(16, alpha) == pytest.approx(2 * alpha)
     assert ENGINE.header_seconds(17, alpha, 1.5 * alpha) == pytest.approx(2 * alpha + 2 * 1.5 * alpha)
     # The middle and the large: Radix4 (Rabenseifner's bytes in half its steps: its groups of

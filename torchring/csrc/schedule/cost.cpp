@@ -119,12 +119,15 @@ double broadcastSeconds(Algo algo, int members, size_t bytes, size_t segment, co
   throw std::invalid_argument(std::string("broadcastSeconds: no broadcast named ") + algoName(algo));
 }
 
+// Multiplying's header must cost at most this share of Doubling's (cost.h headerAlgo).
+constexpr double kHeaderGroupsSave = 0.9;
+
 Algo headerAlgo(int members, const LinkCost& cost) {
   if (cost.header == Algo::Doubling || cost.header == Algo::Multiplying) return cost.header;
   if (members <= 1) return Algo::Doubling;
   const LinkCost latency{cost.alpha, 0, 0, cost.alphaGroup};  // summaries: their steps alone
-  return allreduceSeconds(Algo::Multiplying, members, 1, 1, latency) <
-                 allreduceSeconds(Algo::Doubling, members, 1, 1, latency)
+  return allreduceSeconds(Algo::Multiplying, members, 1, 1, latency) <=
+                 kHeaderGroupsSave * allreduceSeconds(Algo::Doubling, members, 1, 1, latency)
              ? Algo::Multiplying
              : Algo::Doubling;
 }
