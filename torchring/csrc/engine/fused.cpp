@@ -1,8 +1,8 @@
 // The header exchange among hosts, and the allreduces that ride on it.
 //
 // Every operation on several hosts starts with the leaders' header exchange
-// (TcpLinks::exchangeHeaders: recursive doubling whose messages summarize the headers their
-// sender knows; Doubling's schedule, or Multiplying's where groups of transfers pay,
+// (TcpLinks::exchangeHeaders: an allreduce schedule whose messages summarize the headers
+// their sender knows; Doubling's, or Multiplying's where groups of transfers pay,
 // schedule/cost.h headerAlgo). An allreduce whose schedule begins with the header's (Doubling
 // or Rabenseifner on Doubling's, Multiplying or Radix4 on Multiplying's), small enough that
 // copying it once costs less than the header exchange's steps (cost.h ridesOnHeaders; no
