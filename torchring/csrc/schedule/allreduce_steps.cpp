@@ -67,6 +67,12 @@ bool rangesOverlap(const std::vector<Range>& a, const std::vector<Range>& b) {
   return false;
 }
 
+bool sameRanges(const std::vector<Range>& a, const std::vector<Range>& b) {
+  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](const Range& x, const Range& y) {
+           return x.first == y.first && x.count == y.count;
+         });
+}
+
 Range chunkOf(size_t count, int parts, int i) {
   i = ((i % parts) + parts) % parts;
   const size_t base = count / parts, rem = count % parts, idx = static_cast<size_t>(i);

@@ -67,6 +67,9 @@ struct Schedule {
 // True when some unit is in both (a step whose send and receive overlap must not fold into
 // units it has yet to send).
 bool rangesOverlap(const std::vector<Range>& a, const std::vector<Range>& b);
+// True when both name the same units in the same order (a group's steps that receive the
+// same units fold them in the group's order).
+bool sameRanges(const std::vector<Range>& a, const std::vector<Range>& b);
 
 // Element range of chunk `i` when `count` elements are split into `parts` chunks, the first
 // count % parts chunks one element longer.

@@ -53,12 +53,6 @@ size_t sendBytes(const Step& step, const OpHeader& header) {
   return unitsOf(step.send) * unit;
 }
 
-bool sameRanges(const std::vector<Range>& a, const std::vector<Range>& b) {
-  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](const Range& x, const Range& y) {
-           return x.first == y.first && x.count == y.count;
-         });
-}
-
 }  // namespace
 
 bool TcpLinks::exchangeHeaders(std::vector<OpHeader>& all, const std::vector<std::vector<int>>& ranksOf,

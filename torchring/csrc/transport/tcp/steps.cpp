@@ -129,13 +129,9 @@ void TcpLinks::stepAllreduce(const Schedule& schedule, char* data, size_t count,
     // folds only once the group's sends are done, so it never changes bytes still to be sent.
     // A step that receives what the step before it receives folds after it (`follows`).
     std::vector<bool> late(n), follows(n);
-    auto same = [](const Range& x, const Range& y) { return x.first == y.first && x.count == y.count; };
     for (size_t k = 0; k < n; ++k) {
-      const std::vector<Range>& recv = steps[first + k].recv;
-      late[k] = rangesOverlap(sent, recv);
-      if (k == 0) continue;
-      const std::vector<Range>& before = steps[first + k - 1].recv;
-      follows[k] = recv.size() == before.size() && std::equal(recv.begin(), recv.end(), before.begin(), same);
+      late[k] = rangesOverlap(sent, steps[first + k].recv);
+      follows[k] = k > 0 && sameRanges(steps[first + k].recv, steps[first + k - 1].recv);
     }
     // Folds what may be folded of every step, in the group's order.
     auto foldReady = [&](bool all) {
