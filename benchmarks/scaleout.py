@@ -18,7 +18,10 @@ integer data, a warm-up that sets `iters` so a trial takes about --trial-s, then
 interleaved between the libraries (the order rotates per trial): torchring with its cost model's
 choice ("tr auto", the algorithm named beside it) and with each algorithm forced (switched
 between trials on every rank alike), and gloo. A trial's time is the max over ranks of the mean
-per call; the table shows the median over trials. Open MPI's ranks run the same sizes in a
+per call; the table shows the median over trials. "tr cpu/cores" is the CPU every rank's process
+spent per "tr auto" call (user and system time, summed over the ranks; the median trial) over this
+machine's cores: where the test hosts share a few cores, no allreduce can take less, whatever
+its latency path (the router's CPU comes on top). Open MPI's ranks run the same sizes in a
 second job under mpirun (its daemons reach the other hosts through an rsh agent,
 tests/support/_rsh.py) with the same calibration and trials. "goal" is 2·ceil(log2 H)·D, the
 latency target for a 4 B-8 KiB allreduce; "best peer/tr" above 1: torchring's choice is faster.
@@ -48,12 +51,22 @@ ALGOS = ("auto", "ring", "doubling", "rabenseifner", "radix4", "multiplying")
 PORT = 29500
 
 
-def _timed(allreduce: Any, barrier: Any, t: torch.Tensor, iters: int) -> float:
+def _timed(allreduce: Any, barrier: Any, t: torch.Tensor, iters: int) -> tuple[float, float]:
+    """Seconds per call, and this process's CPU seconds (user + system, every thread) per call."""
     barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(iters):
         allreduce(t)
-    return (time.perf_counter() - start) / iters
+    return (time.perf_counter() - start) / iters, (time.process_time() - cpu) / iters
+
+
+def _summed(values: list[float]) -> list[float]:
+    """Elementwise sum of `values` over the ranks."""
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
 
 
 def _wrong(allreduce: Any, rank: int, world: int, count: int) -> int:
@@ -90,13 +103,13 @@ def _rank_main(a: argparse.Namespace) -> None:
         count = max(1, nbytes // 4)
         t = torch.zeros(count)
         row: dict[str, Any] = {"bytes": count * 4, "wrong": 0, "cost": torchring.link_cost()}
-        iters, times = {}, {lib: [] for lib in libs}
+        iters, times, cpu = {}, {lib: [] for lib in libs}, {lib: [] for lib in libs}
         for lib in libs:
             if lib.startswith("tr "):
                 use(lib[3:])
             row["wrong"] += int(max_over_ranks([_wrong(calls[lib][0], rank, world, count)])[0])
             _timed(*calls[lib], t, 1)
-            (per_call,) = max_over_ranks([_timed(*calls[lib], t, 2)])
+            (per_call,) = max_over_ranks([_timed(*calls[lib], t, 2)[0]])
             iters[lib] = max(1, min(5000, round(a.trial_s / per_call)))
         use("auto")
         row["chosen"] = torchring.algorithm(t)
@@ -104,10 +117,13 @@ def _rank_main(a: argparse.Namespace) -> None:
             for lib in libs[k % len(libs):] + libs[:k % len(libs)]:
                 if lib.startswith("tr "):
                     use(lib[3:])
-                times[lib].append(_timed(*calls[lib], t, iters[lib]))
+                seconds, cpu_s = _timed(*calls[lib], t, iters[lib])
+                times[lib].append(seconds)
+                cpu[lib].append(cpu_s)
         use("auto")
         for lib in libs:
             row[lib] = statistics.median(max_over_ranks(times[lib]))
+            row[lib + " cpu"] = statistics.median(_summed(cpu[lib]))
         if out:
             out.write(json.dumps(row) + "\n")
             out.flush()
@@ -195,7 +211,8 @@ def print_table(rows: list[dict], libs: list[str]) -> None:
     on shaped links, torchring's bus bandwidth as a fraction of the link (2(H-1)/H of the bytes
     cross each host's link each way)."""
     shaped = any(r["rate"] for r in rows)
-    names = ["hosts", "size", "goal(us)", "chosen"] + [f"{lib}(us)" for lib in libs] + ["best peer/tr", "tr/goal"]
+    names = ["hosts", "size", "goal(us)", "chosen"] + [f"{lib}(us)" for lib in libs]
+    names += ["best peer/tr", "tr/goal", "tr cpu/cores(us)"]
     names += ["tr x link"] if shaped else []
     print("| " + " | ".join(names) + " |\n|" + "---|" * len(names))
     for row in rows:
@@ -203,7 +220,8 @@ def print_table(rows: list[dict], libs: list[str]) -> None:
         cells = [str(row["hosts"]), fmt_size(row["bytes"]), f"{row['goal'] * 1e6:.0f}", row["chosen"]]
         cells += [f"{row[lib] * 1e6:.0f}" if lib in row else "-" for lib in libs]
         cells += [f"{min(peers) / row['tr auto']:.2f}" if peers else "-",
-                  f"{row['tr auto'] / row['goal']:.2f}" if row["goal"] else "-"]
+                  f"{row['tr auto'] / row['goal']:.2f}" if row["goal"] else "-",
+                  f"{row['tr auto cpu'] / os.cpu_count() * 1e6:.0f}" if "tr auto cpu" in row else "-"]
         if shaped:
             from _hosts import parse_rate
 
@@ -281,7 +299,7 @@ def _long(rows: list[dict], libs: list[str]) -> list[dict]:
                 library, algo = ("torchring", lib[3:]) if lib.startswith("tr ") else (lib, "")
                 out.append({"library": library, "algo": algo, "chosen": r["chosen"] if algo == "auto" else algo,
                             "hosts": r["hosts"], "per_host": r["per_host"], "bytes": r["bytes"],
-                            "seconds": r[lib], "latency_us": r["latency_us"],
+                            "seconds": r[lib], "cpu_s": r.get(lib + " cpu"), "latency_us": r["latency_us"],
                             "rate_bits": parse_rate(r["rate"]) if r["rate"] else None, **r["cost"]})
     return out
 
