@@ -121,13 +121,23 @@ def finish(args: argparse.Namespace, info: dict, rows: list[dict], wrong: int, *
 
 # ---------------------------------------------------------------- inside a rank
 
-def max_over_ranks(values: list[float]) -> list[float]:
-    """Elementwise max of `values` over the default group's ranks (the same list on every rank)."""
+def _over_ranks(values: list[float], op: str) -> list[float]:
+    """Elementwise `op` ("MAX" or "SUM") of `values` over the default group's ranks."""
     import torch.distributed as dist
 
     t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
     return t.tolist()
+
+
+def max_over_ranks(values: list[float]) -> list[float]:
+    """Elementwise max of `values` over the default group's ranks (the same list on every rank)."""
+    return _over_ranks(values, "MAX")
+
+
+def sums_over_ranks(values: list[float]) -> list[float]:
+    """Elementwise sum of `values` over the default group's ranks (the same list on every rank)."""
+    return _over_ranks(values, "SUM")
 
 
 def sum_over_ranks(value: int) -> int:

@@ -44,7 +44,7 @@ sys.path[:0] = [_HERE, _ROOT, os.path.join(_ROOT, "tests", "support")]
 
 import torch  # noqa: E402
 
-from _harness import common_args, finish, machine_info, max_over_ranks  # noqa: E402
+from _harness import common_args, finish, machine_info, max_over_ranks, sums_over_ranks  # noqa: E402
 from _sizes import fmt_size, parse_size  # noqa: E402
 
 ALGOS = ("auto", "ring", "doubling", "rabenseifner", "radix4", "multiplying")
@@ -58,15 +58,6 @@ def _timed(allreduce: Any, barrier: Any, t: torch.Tensor, iters: int) -> tuple[f
     for _ in range(iters):
         allreduce(t)
     return (time.perf_counter() - start) / iters, (time.process_time() - cpu) / iters
-
-
-def _summed(values: list[float]) -> list[float]:
-    """Elementwise sum of `values` over the ranks."""
-    import torch.distributed as dist
-
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t)
-    return t.tolist()
 
 
 def _wrong(allreduce: Any, rank: int, world: int, count: int) -> int:
@@ -123,7 +114,7 @@ def _rank_main(a: argparse.Namespace) -> None:
         use("auto")
         for lib in libs:
             row[lib] = statistics.median(max_over_ranks(times[lib]))
-            row[lib + " cpu"] = statistics.median(_summed(cpu[lib]))
+            row[lib + " cpu"] = statistics.median(sums_over_ranks(cpu[lib]))
         if out:
             out.write(json.dumps(row) + "\n")
             out.flush()
