@@ -352,6 +352,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("failure", &Communicator::failure, py::call_guard<py::gil_scoped_release>())
       .def("waited_seconds", &Communicator::waitedSeconds,
            "seconds this rank waited for each rank (by rank) since the communicator started")
+      .def("own_link_seconds", &Communicator::ownLinkSeconds,
+           "seconds this rank waited while its own link held its sent bytes back")
       .def(
           "submit",
           [](Communicator& c, int kind, std::optional<at::Tensor> tensor, int op, int root, bool runInline,

@@ -1,6 +1,6 @@
 // The engine's test-only functions: entry points the unit tests use to check one rule or
 // kernel (shared memory's placement and spin rules, the staging-store rule, the reduce
-// kernels, warn() from an engine thread) without a communicator. bindings.cpp registers
+// kernels, the TCP links' own-link rule, warn() from an engine thread) without a communicator. bindings.cpp registers
 // them through bindTesting(); nothing in torchring's own code calls them.
 #include <torch/extension.h>
 
@@ -11,6 +11,7 @@
 #include "core/stores.h"
 #include "core/tensor.h"
 #include "transport/shm/group.h"
+#include "transport/tcp/socket.h"
 
 namespace py = pybind11;
 
@@ -99,6 +100,8 @@ void bindTesting(py::module_& m) {
   m.def("_store_choices", &storeChoices, py::arg("cached_seconds"), py::arg("streaming_seconds"), py::arg("bytes"),
         py::arg("cold_cached_seconds") = std::vector<double>());
   m.def("_stream_copy", &streamCopyTensor, py::arg("dst"), py::arg("src"));
+  // The TCP links' own-link rule (transport/tcp/held_by_link.cpp) on a socket of the test's.
+  m.def("_send_held_by_link", &tcpsocket::sendHeldByLink, py::arg("fd"));
 }
 
 }  // namespace torchring

@@ -2,7 +2,8 @@
 
 Its input is one record per rank: ``{"rank", "host", "waited_s": {peer: seconds}}`` (what the
 engine timed this rank waiting for each peer) and, where the rank's status knows them,
-``"phases": {"data": s, "compute": s, "communication": s}``. ``torchring.stragglers()`` (a
+``"phases": {"data": s, "compute": s, "communication": s}``, and ``"own_link_s"``: how long it
+waited while its own link held back bytes it had sent (core/waits.h). ``torchring.stragglers()`` (a
 collective), the launcher's end-of-job report and the dumps' diagnosis all build their lines here.
 
 The rank that made the others wait most comes first. The engine charges a wait to the peer
@@ -86,8 +87,10 @@ def phase_of(culprit: dict[str, Any], others: list[dict[str, Any]], lateness: fl
             best, excess, median = phase, mine.get(phase, 0.0) - m, m
     if best is not None and excess >= 0.5 * lateness:
         return f"late in {_PHASES[best]}: {mine[best]:.2f} s, the others' median {median:.2f} s"
+    own = culprit.get("own_link_s", 0.0)
+    held = f" (its own link held back bytes it had sent for {own:.2f} s)" if own > 0.05 * lateness else ""
     return ("no phase of its own explains it (its data loading and compute match the others'): "
-            "its communication is slow, look at its link or host")
+            f"its communication is slow{held}, look at its link or host")
 
 
 def report(records: list[dict[str, Any]], top: int = 5, at_least_s: float = 0.0,

@@ -90,6 +90,26 @@ def test_a_rank_behind_a_slow_link_is_named_with_no_phase_of_its_own() -> None:
     assert lines[1].startswith("  rank 2 (host b)") and "its link or host" in lines[1], lines
 
 
+def test_a_ring_behind_a_slow_link_is_a_cycle_of_waits_that_own_link_time_breaks() -> None:
+    # Host c's link is slow and the ring runs 2 -> 0 -> 1 -> 2: every leader waits the whole job
+    # for its left neighbour, so the waits alone form a cycle that names no one for sure.
+    cycle = [
+        {"rank": 0, "host": "a", "waited_s": {2: 2.88}, "phases": {"data": 0.1, "compute": 0.1}},
+        {"rank": 1, "host": "b", "waited_s": {0: 2.88}, "phases": {"data": 0.1, "compute": 0.1}},
+        {"rank": 2, "host": "c", "waited_s": {1: 2.88}, "phases": {"data": 0.1, "compute": 0.1}},
+    ]
+    totals = sorted((sum(by.values()) for by in stragglers.blame(cycle).values()), reverse=True)
+    assert totals[0] - totals[1] < 0.01, totals  # the first two tie: which comes first is an accident
+    # Rank 2's bytes were held back by its own link during half of its waits: that half is no
+    # peer's, and the report names rank 2, its host, and the evidence.
+    cycle[2]["waited_s"] = {1: 1.45}
+    cycle[2]["own_link_s"] = 1.43
+    lines = stragglers.report(cycle)
+    assert lines[1].startswith("  rank 2 (host c): 4."), lines
+    assert ("its communication is slow (its own link held back bytes it had sent for 1.43 s), look at its "
+            "link or host") in lines[1], lines
+
+
 def test_without_phases_or_waits_the_report_says_what_it_knows() -> None:
     assert stragglers.report([{"rank": 0, "host": "a", "waited_s": {}}]) == ["no rank made another wait"]
     lines = stragglers.report([{"rank": 0, "host": "a", "waited_s": {1: 2.0}}, {"rank": 1, "host": "a", "waited_s": {}}])

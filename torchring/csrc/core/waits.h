@@ -1,7 +1,8 @@
 // Who this rank waited for, and how long: a WaitLedger per transport (shared memory: by local
 // rank; TCP: by host) adds up the time each wait for a peer took past its first check, and
 // remembers the longest wait of the operation in flight, so the communicator can tell which
-// peer made this rank wait (torchring.stats(), the dumps, the straggler warning).
+// peer made this rank wait (torchring.stats(), the dumps, the straggler warning). A wait
+// during which this rank's own link held its sent bytes back is no peer's: it adds to own().
 //
 // Times are CPU time-stamp ticks (cpuTicks(), a third of a steady-clock read): a wait that
 // ends at its first check costs nothing, one that spins or sleeps pays two reads.
@@ -39,6 +40,16 @@ class WaitLedger {
       opPeer_ = peer;
     }
   }
+  // A wait of `ticks` on this rank's own link (its bytes held back on their way out).
+  void addOwn(int64_t ticks) { own_.fetch_add(ticks, std::memory_order_relaxed); }
+  int64_t own() const { return own_.load(std::memory_order_relaxed); }
+  // Every total back to 0 (the thread that adds; a reader may see some totals cleared and not
+  // yet others).
+  void clear() {
+    for (int i = 0; i < peers_; ++i) totals_[i].store(0, std::memory_order_relaxed);
+    own_.store(0, std::memory_order_relaxed);
+    startOp();
+  }
   // Ticks waited for `peer` so far (any thread).
   int64_t total(int peer) const {
     return peer >= 0 && peer < peers_ ? totals_[peer].load(std::memory_order_relaxed) : 0;
@@ -53,6 +64,7 @@ class WaitLedger {
  private:
   int peers_ = 0;
   std::unique_ptr<std::atomic<int64_t>[]> totals_;
+  std::atomic<int64_t> own_{0};
   int64_t opLongest_ = 0;
   int opPeer_ = -1;
 };

@@ -188,6 +188,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // Seconds this rank waited for each rank (by rank; shared-memory waits for the ranks of its
   // host, TCP waits of a leader for the other hosts' leaders), since the communicator started.
   std::vector<double> waitedSeconds() const;
+  // Seconds this rank (a host's leader) waited while its own link held its sent bytes back
+  // (core/waits.h own()): waits no peer caused.
+  double ownLinkSeconds() const;
   // This communicator's flight recorder (also listed in FlightRecorder::all()).
   const std::shared_ptr<FlightRecorder>& recorder() const { return recorder_; }
 

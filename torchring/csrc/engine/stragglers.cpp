@@ -25,6 +25,8 @@ std::vector<double> Communicator::waitedSeconds() const {
   return out;
 }
 
+double Communicator::ownLinkSeconds() const { return tcp_ ? tcp_->waits().own() * nsPerTick() * 1e-9 : 0.0; }
+
 std::string Communicator::hostText(int rank) const {
   const int host = rankHost_[rank];
   const bool named = host < static_cast<int>(opt_.hostNames.size()) && !opt_.hostNames[host].empty();

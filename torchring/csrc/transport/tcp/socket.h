@@ -71,6 +71,10 @@ void setTimeouts(int fd, double seconds);
 // Blocking full read (write) under the socket's timeout; false on EOF, error or timeout.
 bool readAll(int fd, void* buf, size_t bytes);
 bool writeAll(int fd, const void* buf, size_t bytes);
+// True when TCP holds bytes of this socket it has not sent though the peer's receive window
+// has room for them: the way out (the link, or its queue) is what holds them back, not the
+// peer. False where the kernel's TCP_INFO lacks the fields (before Linux 5.4).
+bool sendHeldByLink(int fd);
 // "10.0.0.2:41234": the peer's address, "?" if unknown.
 std::string peerName(int fd);
 

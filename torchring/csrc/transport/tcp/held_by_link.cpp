@@ -1,0 +1,26 @@
+// tcpsocket::sendHeldByLink (socket.h), apart from socket.cpp: it reads the kernel's own
+// struct tcp_info (linux/tcp.h), whose fields past Linux 4.x the C library's netinet/tcp.h,
+// which socket.cpp includes, does not declare (and the two headers cannot be included together).
+#include <linux/tcp.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "transport/tcp/socket.h"
+
+namespace torchring {
+namespace tcpsocket {
+
+bool sendHeldByLink(int fd) {
+  tcp_info info{};
+  socklen_t len = sizeof(info);
+  if (getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &len) != 0) return false;
+  if (len < offsetof(tcp_info, tcpi_snd_wnd) + sizeof(info.tcpi_snd_wnd)) return false;
+  const uint64_t inFlight = uint64_t{info.tcpi_unacked} * info.tcpi_snd_mss;
+  return info.tcpi_notsent_bytes > 0 && inFlight + info.tcpi_snd_mss <= info.tcpi_snd_wnd;
+}
+
+}  // namespace tcpsocket
+}  // namespace torchring
