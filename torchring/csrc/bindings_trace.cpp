@@ -279,7 +279,9 @@ void bindTrace(py::module_& m) {
           group["ranks"] = recorder->ranks();
           group["capacity"] = recorder->capacity();
           group["failure"] = recorder->failure();
-          group["waited"] = recorder->waits();
+          const WaitTotals waits = recorder->waits();
+          group["waited"] = waits.byRank;
+          group["own_link_s"] = waits.ownLink;
           group["entries"] = list;
           groups.append(group);
         }
@@ -309,9 +311,11 @@ void bindTrace(py::module_& m) {
         py::dict waited;
         for (const auto& [rank, seconds] : r.waited) waited[py::int_(rank)] = seconds;
         d["waited_s"] = waited;
+        d["own_link_s"] = r.ownLinkSeconds;
         return d;
       },
-      "{ops, in_flight_s, current, last, waited_s}: this rank's communication so far (engine/progress_meter.h)");
+      "{ops, in_flight_s, current, last, waited_s, own_link_s}: this rank's communication so far "
+      "(engine/progress_meter.h)");
   m.def(
       "set_trace_skip_prefixes",
       [](std::vector<std::string> prefixes) {

@@ -185,11 +185,12 @@ def straggler_lines(ranks: dict[int, Rank], top: int = 3, at_least_s: float = 0.
     records = []
     for rank in ranks.values():
         waited: dict[int, float] = {}
+        own = sum(g.get("own_link_s", 0.0) for g in rank.groups)
         for g in rank.groups:
             members = list(g["ranks"])
             for i, seconds in enumerate(g.get("waited", [])):
                 if i < len(members):
                     waited[members[i]] = waited.get(members[i], 0.0) + seconds
-        records.append({"rank": rank.rank, "host": rank.host, "waited_s": waited})
+        records.append({"rank": rank.rank, "host": rank.host, "waited_s": waited, "own_link_s": own})
     lines = _stragglers.report(records, top=top, at_least_s=at_least_s)
     return [] if len(lines) < 2 else ["  " + line for line in lines]

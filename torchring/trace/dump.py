@@ -108,7 +108,8 @@ def build(snapshot: tuple[list[dict[str, Any]], dict[int, tuple[str, int, str]],
             "time_ns": wall_now, "stacks": thread_stacks(),
             "main_thread": f"{threading.main_thread().name} ({threading.main_thread().ident})",
             "groups": [{"name": g["name"], "desc": g["desc"], "ranks": list(g["ranks"]),
-                        "failure": g["failure"], "capacity": g["capacity"], "waited": list(g.get("waited", []))}
+                        "failure": g["failure"], "capacity": g["capacity"], "waited": list(g.get("waited", [])),
+                        "own_link_s": g.get("own_link_s", 0.0)}
                        for g in groups],
         },
     }

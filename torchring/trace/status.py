@@ -89,6 +89,7 @@ def measure(engine: Any, rank: int, world: int, host: str, interval_s: float, ra
         "comm_share": min(1.0, max(0.0, (comm_s - rates.comm_s) / elapsed)) if elapsed > 0 else None,
         "current": _op(meter["current"], "age_s"), "last": _op(meter["last"], "ago_s"),
         "waited_s": {str(peer): s for peer, s in meter["waited_s"].items()},
+        "own_link_s": meter.get("own_link_s", 0.0),
         "where": _where() if state != "exited" else None,
         "phases": _split(counts["data_s"], comm_s, wall_s),
     }
@@ -230,6 +231,6 @@ def lines(directory: str | os.PathLike[str], world: int | None = None, now_ns: i
 
 def records(statuses: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
     """The straggler report's input (stragglers.report) from the ranks' statuses."""
-    return [{"rank": s["rank"], "host": s["host"], "phases": s.get("phases"),
+    return [{"rank": s["rank"], "host": s["host"], "phases": s.get("phases"), "own_link_s": s.get("own_link_s", 0.0),
              "waited_s": {int(p): v for p, v in s.get("waited_s", {}).items()}} for s in statuses.values()]
 

@@ -170,6 +170,12 @@ def test_the_end_report_speaks_only_of_a_notable_straggler(tmp_path: Path) -> No
                      rank_status(2, data=4.5)])
     report = launch_status.end_report(str(slow)).splitlines()
     assert report[1].startswith("torchring-run:   rank 2 (") and "late in data loading: 4.50 s" in report[1], report
+    link = tmp_path / "link"  # rank 2's link held back its bytes: the launcher's report says so too
+    behind = rank_status(2)
+    behind["own_link_s"] = 2.5
+    write_all(link, [rank_status(0, waited={2: 3.0}), rank_status(1, waited={2: 3.0}), behind])
+    report = launch_status.end_report(str(link)).splitlines()
+    assert report[1].startswith("torchring-run:   rank 2 (") and "own link held back bytes it had sent for 2.50 s" in report[1], report
 
 
 def test_a_status_file_is_replaced_whole(tmp_path: Path) -> None:

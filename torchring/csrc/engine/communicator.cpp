@@ -119,7 +119,7 @@ void Communicator::setP2PPeers(std::vector<std::string> addrs, std::vector<int> 
 void Communicator::start() {
   recorder_->setWaits([weak = weak_from_this()] {
     auto comm = weak.lock();
-    return comm ? comm->waitedSeconds() : std::vector<double>();
+    return comm ? WaitTotals{comm->waitedSeconds(), comm->ownLinkSeconds()} : WaitTotals();
   });
   if (tcp_ && shm_) tcp_->setOnProgress([this] { shm_->heartbeat(); });
   if (p2p_) p2p_->setOnFailure([this](const std::string& message) { onP2PFailure(message); });

@@ -201,18 +201,18 @@ std::vector<int> FlightRecorder::ranks() const {
   return ranks_;
 }
 
-void FlightRecorder::setWaits(std::function<std::vector<double>()> waits) {
+void FlightRecorder::setWaits(std::function<WaitTotals()> waits) {
   std::lock_guard<std::mutex> lock(identityMutex_);
   waits_ = std::move(waits);
 }
 
-std::vector<double> FlightRecorder::waits() const {
-  std::function<std::vector<double>()> waits;
+WaitTotals FlightRecorder::waits() const {
+  std::function<WaitTotals()> waits;
   {
     std::lock_guard<std::mutex> lock(identityMutex_);
     waits = waits_;
   }
-  return waits ? waits() : std::vector<double>();
+  return waits ? waits() : WaitTotals();
 }
 
 void FlightRecorder::setFailure(const std::string& message) {

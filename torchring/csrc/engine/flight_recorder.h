@@ -48,6 +48,13 @@ struct TraceEntry {
   int64_t enqueuedNs = 0, startedNs = 0, finishedNs = 0;  // steady clock; 0: not yet
 };
 
+// What a communicator's rank waited: seconds for each of its ranks (by index), and on its own
+// link (a leader's bytes held back on their way out: core/waits.h own()).
+struct WaitTotals {
+  std::vector<double> byRank;
+  double ownLink = 0;
+};
+
 // A Python frame: "train.py", 12, "step".
 struct TraceFrame {
   std::string file;
@@ -76,9 +83,10 @@ class FlightRecorder {
   std::string name() const;
   std::string desc() const;
   std::vector<int> ranks() const;
-  // Seconds this rank waited for each world rank (the communicator's, set by it at start).
-  void setWaits(std::function<std::vector<double>()> waits);
-  std::vector<double> waits() const;
+  // Seconds this rank waited for each of its ranks, and on its own link (the communicator's,
+  // set by it at start).
+  void setWaits(std::function<WaitTotals()> waits);
+  WaitTotals waits() const;
   // The communicator's first failure, for the dump ("" while none).
   void setFailure(const std::string& message);
   std::string failure() const;
@@ -141,7 +149,7 @@ class FlightRecorder {
   std::atomic<uint64_t> next_{0};
   mutable std::mutex identityMutex_;
   std::string name_, desc_, failure_;
-  std::function<std::vector<double>()> waits_;
+  std::function<WaitTotals()> waits_;
   std::vector<int> ranks_;
 };
 

@@ -31,10 +31,11 @@ ProgressReport ProgressMeter::measure() {
     }
     const std::vector<TraceEntry> entries = recorder->snapshot();
     const std::vector<int> ranks = recorder->ranks();
-    const std::vector<double> waits = recorder->waits();
-    for (size_t i = 0; i < waits.size() && i < ranks.size(); ++i) {
-      if (waits[i] > 0) waited[ranks[i]] += waits[i];
+    const WaitTotals waits = recorder->waits();
+    for (size_t i = 0; i < waits.byRank.size() && i < ranks.size(); ++i) {
+      if (waits.byRank[i] > 0) waited[ranks[i]] += waits.byRank[i];
     }
+    report.ownLinkSeconds += waits.ownLink;
     uint64_t frontier = from;
     bool open = false;  // an unfinished entry was met: the frontier stays before it
     if (!entries.empty()) {

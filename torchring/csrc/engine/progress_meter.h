@@ -37,6 +37,7 @@ struct ProgressReport {
   TraceEntry current, last;
   std::string currentGroup, lastGroup;
   std::vector<std::pair<int, double>> waited;  // (world rank, seconds), every group's waits added
+  double ownLinkSeconds = 0;  // waits on this rank's own link, every group's added
 };
 
 class ProgressMeter {
