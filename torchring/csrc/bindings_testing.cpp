@@ -1,7 +1,8 @@
 // The engine's test-only functions: entry points the unit tests use to check one rule or
 // kernel (shared memory's placement and spin rules, the staging-store rule, the reduce
-// kernels, the TCP links' own-link rule, warn() from an engine thread) without a communicator. bindings.cpp registers
-// them through bindTesting(); nothing in torchring's own code calls them.
+// kernels, the TCP links' own-link rule, warn() from an engine thread) without a
+// communicator. bindings.cpp registers them through bindTesting(); nothing in torchring's own
+// code calls them.
 #include <torch/extension.h>
 
 #include <array>

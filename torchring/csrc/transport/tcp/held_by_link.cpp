@@ -1,6 +1,6 @@
 // tcpsocket::sendHeldByLink (socket.h), apart from socket.cpp: it reads the kernel's own
-// struct tcp_info (linux/tcp.h), whose fields past Linux 4.x the C library's netinet/tcp.h,
-// which socket.cpp includes, does not declare (and the two headers cannot be included together).
+// struct tcp_info (linux/tcp.h), whose fields past Linux 4.x the C library's netinet/tcp.h
+// (which socket.cpp includes) does not declare; the two headers cannot be included together.
 #include <linux/tcp.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
