@@ -32,6 +32,13 @@ Two engines run a plan and return every leader's finish time:
   folds (the cost model's rule; the engine overlaps part of a fold with the transfer, so this
   is its upper end). A zero-byte send or receive is no message (the engine skips empty spans):
   such a step costs only s. Uncontended, a message of n bytes takes s + D + n/B = alpha + n*beta.
+  With ``bucket`` > 0 each uplink is a token bucket, as tc's tbf shapes the test hosts' links
+  (scale_model.py --validate on shaped runs): its tokens refill at ``bandwidth`` while the
+  uplink carries no flow, up to ``bucket`` bytes, and a message that starts takes what tokens
+  there are for its first bytes at once (a link that is busy neither gains nor loses them: it
+  sends at the rate they refill). The buckets start empty, as in a loop of back-to-back
+  operations (what benchmarks/scaleout.py times), which drains them: each refills only while
+  its uplink idles within an operation. A real NIC has no bucket: the projection runs with none.
 - ``simulate_simgrid``: the same plan replayed by SimGrid's S4U actors (put/get on mailboxes,
   made eager with ``set_receiver`` unless ``eager=False``) on a cluster of split-duplex private links, under the CM02
   flow model with no TCP corrections, so both engines mean the same thing and can check each
@@ -83,6 +90,7 @@ class Net:
     oversub: float = 1.0  # leaf switches' oversubscription (1: full bisection)
     eager: bool = True  # a message flows when sent (TCP's buffers); False: once its receive is posted
     group_extra: float = 0.0  # seconds a group of steps that run at once costs beyond one step's s
+    bucket: float = 0.0  # bytes of a token bucket on each uplink (tc's tbf on the test hosts); 0: none
 
     @property
     def alpha(self) -> float:
@@ -330,6 +338,8 @@ def simulate(plans: list[list[Step]], net: Net, starts: list[float] | None = Non
     finish = [0.0] * hosts
     dirty: set[int] = set()
     now = 0.0
+    tokens = [0.0] * len(caps)  # each uplink's bucket, empty at the start (see the docstring)
+    idle_since = [0.0] * len(caps)
 
     def part_done(m: int, t: float) -> None:
         done[m] = max(done[m], t)
@@ -392,6 +402,17 @@ def simulate(plans: list[list[Step]], net: Net, starts: list[float] | None = Non
         elif kind == START:
             f = a
             f.since = t
+            if net.bucket > 0:  # the uplink's tokens send the message's first bytes at once
+                up = f.links[0]
+                if not on_link[up]:  # refilled while idle, up to now
+                    tokens[up] = min(net.bucket, tokens[up] + caps[up] * (t - idle_since[up]))
+                    idle_since[up] = t
+                take = min(tokens[up], f.left)
+                tokens[up] -= take
+                f.left -= take
+                if f.left <= 0:
+                    push(t, END, f, f.version)
+                    continue
             for l in f.links:
                 on_link[l].add(f)
                 dirty.add(l)
@@ -402,6 +423,8 @@ def simulate(plans: list[list[Step]], net: Net, starts: list[float] | None = Non
             for l in f.links:
                 on_link[l].discard(f)
                 dirty.add(l)
+            if not on_link[f.links[0]]:
+                idle_since[f.links[0]] = t
             part_done(f.src, t)
             if f.src in waiting[f.dst]:
                 waiting[f.dst].discard(f.src)
@@ -470,6 +493,8 @@ def simulate_simgrid(plans: list[list[Step]], net: Net, starts: list[float] | No
         raise RuntimeError("SimGrid's Python module is not installed (Debian: apt-get install python3-simgrid)")
     if net.leaf and net.leaf < len(plans):
         raise ValueError("the SimGrid replay models one non-blocking switch only (leaf = 0)")
+    if net.bucket > 0:
+        raise ValueError("the SimGrid replay has no token buckets (bucket = 0)")
     job = {"plans": plans, "bandwidth": net.bandwidth, "latency": net.latency, "overhead": net.overhead,
            "group_extra": net.group_extra,
            "gamma": net.gamma, "eager": net.eager, "starts": starts or [0.0] * len(plans)}

@@ -29,7 +29,9 @@ each step's α behind the transfer; the replay, like the cost model, charges it 
 --validate reads benchmarks/scaleout.py's JSON (rows with library, algo, hosts, per_host, bytes,
 seconds, latency_us, rate_bits, alpha, beta, gamma) and predicts each torchring row: B from
 rate_bits (1/beta when null), D from latency_us, s = alpha - D (the measured α is one 8-byte
-step) unless --overhead-us is given, the measured gamma; an "auto" row replays the algorithm
+step) unless --overhead-us is given, the measured gamma; a shaped row's uplinks are the token
+buckets tc's tbf makes of the test hosts' links (tests/support/_hosts.py tbf_burst: 100 KB at
+200 Mbit/s, so after a pause a smaller message leaves at the unshaped speed; --no-bucket: none); an "auto" row replays the algorithm
 it names as chosen (else what E.choose_allreduce picks from the measured α, β, γ). 16-bit rows count 4-byte
 elements (the engine folds float32 partial sums; its 16-bit copy steps move half of that).
 
@@ -71,7 +73,7 @@ import sys
 from typing import Any
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
+sys.path[:0] = [_HERE, os.path.dirname(_HERE), os.path.join(os.path.dirname(_HERE), "tests", "support")]
 
 import _scale_sim as sim  # noqa: E402
 from _harness import common_args, finish, machine_info, print_header  # noqa: E402
@@ -237,6 +239,8 @@ def plot(rows: list[dict], path: str, latency: float, goal: float) -> None:
 
 def validate(E: Any, a: argparse.Namespace, measured: list[dict]) -> list[dict]:
     """Predicted against measured seconds for every torchring row of scaleout.py's JSON."""
+    from _hosts import tbf_burst  # the test hosts' shaping (tests/support), for shaped rows
+
     rows, shm = [], sim.Shm(a.shm_a * 1e-6, a.shm_bw * 1e9)
     for m in measured:
         if m.get("library", "torchring") != "torchring":
@@ -249,7 +253,8 @@ def validate(E: Any, a: argparse.Namespace, measured: list[dict]) -> list[dict]:
         s = a.overhead_us * 1e-6 if a.overhead_explicit else max(m["alpha"] - lat, 0.0)
         bw = m["rate_bits"] / 8 if m.get("rate_bits") else 1.0 / m["beta"]
         extra = max(m.get("alpha_group", m["alpha"]) - m["alpha"], 0.0)  # what a group costs beyond a step
-        net = sim.Net(bw, lat, s, m["gamma"], 0, 1.0, not a.rendezvous, extra)
+        bucket = tbf_burst(int(m["rate_bits"])) if m.get("rate_bits") and not a.no_bucket else 0
+        net = sim.Net(bw, lat, s, m["gamma"], 0, 1.0, not a.rendezvous, extra, bucket)
         forced = m["algo"]
         algo = m.get("chosen") or E.choose_allreduce(forced, hosts, count, esize, m["alpha"], m["beta"], m["gamma"],
                                                      net.alpha_group, staged=per_host > 1)
@@ -300,6 +305,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sim-steps", type=int, default=40000, help="most leader-steps replayed per point")
     p.add_argument("--goal", type=float, default=1.3, help="the target choice/bound (default 1.3)")
     p.add_argument("--tolerance", type=float, default=0.15, help="--validate: 'within' (default 0.15)")
+    p.add_argument("--no-bucket", action="store_true",
+                   help="--validate: shaped rows' links without the test hosts' tbf bucket")
     p.add_argument("--plot", default=os.path.join(_HERE, "scale_model.png"), help="the PNG ('none': no plot)")
     common_args(p, quick="16..128 hosts, sizes 4 B..64 MiB in steps of 16x")
     a = p.parse_args(argv)

@@ -54,7 +54,7 @@ import pytest
 
 from _latency import TUN_MTU, Router, can_route, router_binary
 
-__all__ = ["Host", "hosts", "can_make_hosts", "parse_rate", "host_addr", "hosts_file"]
+__all__ = ["Host", "hosts", "can_make_hosts", "parse_rate", "tbf_burst", "host_addr", "hosts_file"]
 
 _PREFIX = "trt"
 _counter = itertools.count()
@@ -228,11 +228,16 @@ def _unmount_under(path: str) -> None:
             subprocess.run(["umount", "-l", p], capture_output=True)
 
 
+def tbf_burst(rate_bits: int, min_burst: int = 32 * 1024) -> int:
+    """The bucket, in bytes, of the tbf that ``Host.shape`` puts on a link of ``rate_bits``: at
+    least one timer tick (4 ms at HZ=250) of bytes (tbf drops packets larger than its burst). After a
+    pause this many bytes leave at the unshaped speed (benchmarks/_scale_sim.py models it)."""
+    return max(min_burst, rate_bits // 8 // 250)
+
+
 def _shape(netns: str, dev: str, rate: str, min_burst: int = 32 * 1024) -> str | None:
     """Limit ``dev`` to ``rate`` with tbf (or netem rate); None if done, else why not."""
-    bits = parse_rate(rate)
-    # at least one timer tick (4 ms at HZ=250) of bytes; tbf drops packets larger than its burst
-    burst = max(min_burst, bits // 8 // 250)
+    burst = tbf_burst(parse_rate(rate), min_burst)
     tries = [["tbf", "rate", rate, "burst", str(burst), "latency", "50ms"], ["netem", "rate", rate]]
     errors = []
     for qdisc in tries:

@@ -75,6 +75,24 @@ def test_ring_of_four_equals_the_closed_form() -> None:
                for f in sim.simulate(sim.plan(ENGINE, "ring", 4, 1, count, 4, sim.Shm(), fast), fast))
 
 
+def test_a_token_bucket_sends_a_messages_first_bytes_at_once_and_refills_while_idle() -> None:
+    # The bucket starts empty (a loop of operations drains it) and refills while the uplink
+    # idles: a first message finds what came in during its own s + D (B·(S + D) bytes).
+    refill = B * (S + D)
+    bucketed = sim.Net(bandwidth=B, latency=D, overhead=S, bucket=N / 4)
+    small, large = sim.simulate(_sends([(0, 1, refill / 2)], 2), bucketed), sim.simulate(_sends([(0, 1, N)], 2), bucketed)
+    assert _close(small[1], S + D)  # within what refilled: no time on the link
+    assert _close(large[1], S + D + (N - refill) / B)
+    # Back to back: the second finds again only what refilled through its own s + D...
+    twice = sim.simulate(_sends([(0, 1, N), (0, 1, N)], 2), bucketed)
+    assert _close(twice[0], 2 * (S + D + (N - refill) / B)), twice
+    # ...a long pause fills the bucket up to its size and no further...
+    paused = sim.simulate(_sends([(0, 1, N)], 2), bucketed, [1.0, 0.0])
+    assert _close(paused[1], 1.0 + S + D + 0.75 * N / B), paused
+    # ...and without a bucket nothing changes.
+    assert _close(sim.simulate(_sends([(0, 1, N)], 2), NET)[1], S + D + N / B)
+
+
 def test_two_flows_into_one_downlink_take_twice_as_long() -> None:
     apart = sim.simulate(_sends([(0, 2, N), (1, 3, N)], 4), NET)
     shared = sim.simulate(_sends([(0, 2, N), (1, 2, N)], 3), NET)
