@@ -31,8 +31,8 @@ seconds, latency_us, rate_bits, alpha, beta, gamma) and predicts each torchring 
 rate_bits (1/beta when null), D from latency_us, s = alpha - D (the measured α is one 8-byte
 step) unless --overhead-us is given, the measured gamma; a shaped row's uplinks are the token
 buckets tc's tbf makes of the test hosts' links (tests/support/_hosts.py tbf_burst: 100 KB at
-200 Mbit/s, so after a pause a smaller message leaves at the unshaped speed; --no-bucket: none); an "auto" row replays the algorithm
-it names as chosen (else what E.choose_allreduce picks from the measured α, β, γ). 16-bit rows count 4-byte
+200 Mbit/s, so after a pause a smaller message leaves at the unshaped speed; --no-bucket: none);
+an "auto" row replays the algorithm it names as chosen (else what E.choose_allreduce picks from the measured α, β, γ). 16-bit rows count 4-byte
 elements (the engine folds float32 partial sums; its 16-bit copy steps move half of that).
 
 Engines: the flow simulator (_scale_sim.simulate) wherever a point has at most --sim-steps

@@ -69,11 +69,20 @@ class WaitLedger {
   int opPeer_ = -1;
 };
 
-// Adds the time from its creation to its end to `ledger` for `peer` (every way out of a wait).
+// Adds the time from its creation to its end to `ledger` for `peer` (every way out of a wait),
+// or to its own() once onOwnLink() says this rank's own link held the wait up.
 class TimedWait {
  public:
   TimedWait(WaitLedger& ledger, int peer) : ledger_(ledger), peer_(peer), start_(cpuTicks()) {}
-  ~TimedWait() { ledger_.add(peer_, cpuTicks() - start_); }
+  ~TimedWait() {
+    const int64_t ticks = cpuTicks() - start_;
+    if (ownLink_) {
+      ledger_.addOwn(ticks);
+    } else {
+      ledger_.add(peer_, ticks);
+    }
+  }
+  void onOwnLink() { ownLink_ = true; }
   TimedWait(const TimedWait&) = delete;
   TimedWait& operator=(const TimedWait&) = delete;
 
@@ -81,6 +90,7 @@ class TimedWait {
   WaitLedger& ledger_;
   int peer_;
   int64_t start_;
+  bool ownLink_ = false;
 };
 
 }  // namespace torchring

@@ -362,19 +362,16 @@ void TcpLinks::exchangeStreams(const std::vector<Stream>& streams) {
           fds.push_back({at[i].fd, events, 0});
         }
       }
-      const int64_t t0 = cpuTicks();
+      TimedWait timed(waits_, named);
       int rc = poll(fds.data(), fds.size(), 100);
       // A slow link hides behind the socket's buffer: its sender hands its bytes over, moves on
       // and then waits for a partner that is itself waiting for those bytes. When this rank's
       // own bytes are still held back as the wait ends, the wait is its link's, no partner's.
-      bool ownLink = false;
-      for (size_t i = 0; i < n && !ownLink; ++i) {
-        ownLink = streams[i].out && at[i].fd >= 0 && tcpsocket::sendHeldByLink(at[i].fd);
-      }
-      if (ownLink) {
-        waits_.addOwn(cpuTicks() - t0);
-      } else {
-        waits_.add(named, cpuTicks() - t0);
+      for (size_t i = 0; i < n; ++i) {
+        if (streams[i].out && at[i].fd >= 0 && tcpsocket::sendHeldByLink(at[i].fd)) {
+          timed.onOwnLink();
+          break;
+        }
       }
       if (rc < 0 && errno != EINTR) fail(std::string("poll failed: ") + std::strerror(errno), named);
     }
