@@ -1,17 +1,20 @@
 """The engine's flight recorder (engine/flight_recorder.h) on a one-rank communicator: it keeps
 the last N operations in order, with their states, times and the Python line that issued them,
-records failures as failed, and records nothing when off."""
+each with its own shape, kind, root and seq whatever N and however many shapes came before,
+sends and receives with their own seq, peer and tag between collectives (world 2), records
+failures as failed, and records nothing when off."""
 
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import torchring
-from _world import ENGINE
+from _world import ENGINE, run_world
 from torchring._core.types import OpKind, ReduceOp
 
 
@@ -80,3 +83,68 @@ def test_nothing_is_recorded_when_the_recorder_is_off() -> None:
         assert group["entries"] == [] and group["capacity"] == 0
     finally:
         comm.shutdown()
+
+
+def _shape(i: int) -> tuple[int, ...]:
+    """The i-th operation's shape in the tests below: a few repeat, most are new."""
+    return (3,) if i % 3 == 0 else (i % 5 + 1, i + 1)
+
+
+def _check_kept(capacity: int, operations: int) -> None:
+    """`operations` allreduces and broadcasts of many shapes on a recorder of `capacity`: after
+    every one, each kept record still names its own shape, kind, root and seq."""
+    name = f"recorder-shapes-{capacity}-{operations}"
+    comm = _comm(name, capacity)
+    try:
+        for i in range(operations):
+            kind = OpKind.BROADCAST if i % 4 == 1 else OpKind.ALLREDUCE
+            comm.submit(kind, torch.ones(_shape(i)), ReduceOp.SUM, 0 if kind == OpKind.BROADCAST else -1,
+                        True).wait(10)
+            entries = _recorded(name)[0]["entries"]
+            assert [e["id"] for e in entries] == list(range(max(0, i + 1 - capacity), i + 1)), (i, entries)
+            for e in entries:
+                j = e["id"]
+                kind_j = "broadcast" if j % 4 == 1 else "allreduce"
+                assert (e["seq"], e["kind"], tuple(e["shape"]), e["root"], e["state"]) == (
+                    j, kind_j, _shape(j), 0 if kind_j == "broadcast" else -1, "completed"), (i, e)
+    finally:
+        comm.shutdown()
+
+
+def test_each_record_keeps_its_own_description_when_descriptions_are_shared() -> None:
+    # Records share a description while it is young; a capacity that is not a power of two,
+    # and more new shapes than the ring of descriptions holds, keep every record's own.
+    for capacity, operations in ((1, 5), (5, 3), (7, 100), (8, 300), (64, 400)):
+        _check_kept(capacity, operations)
+
+
+def test_send_and_recv_keep_their_own_seq_peer_and_tag_between_collectives() -> None:
+    # A collective's seq counts collectives, a send's or recv's counts those: the record keeps
+    # each as its distance from the record's id.
+    name = f"recorder-p2p-{os.getpid()}"
+    both = threading.Barrier(2)
+
+    def steps(rank: int, comm: Any) -> list[dict[str, Any]]:
+        for n in range(3):
+            comm.submit(OpKind.ALLREDUCE, torch.ones(2 + n), ReduceOp.SUM, -1, True).wait(10)
+            if rank == 0:
+                comm.send(torch.ones(n + 1), 1, 5 + n).wait()
+            else:
+                comm.recv(torch.empty(n + 1), 0, 5 + n).wait()
+        both.wait(10)  # both ranks done, neither shut down yet
+        groups = ENGINE.trace_snapshot()[0]
+        both.wait(10)
+        return groups
+
+    groups = run_world(2, steps, options={"trace_name": name, "trace_entries": 16})[0]
+    found = [g for g in groups if g["name"] == name]
+    assert len(found) == 2
+    kinds = []
+    for group in found:
+        entries = group["entries"]
+        assert [(e["id"], e["seq"], e["p2p"], tuple(e["shape"])) for e in entries] == [
+            (0, 0, False, (2,)), (1, 0, True, (1,)), (2, 1, False, (3,)), (3, 1, True, (2,)),
+            (4, 2, False, (4,)), (5, 2, True, (3,))], entries
+        assert [e["tag"] for e in entries if e["p2p"]] == [5, 6, 7]
+        kinds.append(sorted({(e["kind"], e["peer"]) for e in entries if e["p2p"]}))
+    assert sorted(kinds) == [[("recv", 0)], [("send", 1)]], kinds
