@@ -111,16 +111,16 @@ def _check_kept(capacity: int, operations: int) -> None:
         comm.shutdown()
 
 
-def test_each_record_keeps_its_own_description_when_descriptions_are_shared() -> None:
-    # Records share a description while it is young; a capacity that is not a power of two,
-    # and more new shapes than the ring of descriptions holds, keep every record's own.
+def test_each_kept_record_has_its_own_shape_kind_root_and_seq() -> None:
+    # Capacities that are and are not powers of two, a ring overwritten many times over, and
+    # far more distinct shapes than it holds: no record shows another's fields.
     for capacity, operations in ((1, 5), (5, 3), (7, 100), (8, 300), (64, 400)):
         _check_kept(capacity, operations)
 
 
 def test_send_and_recv_keep_their_own_seq_peer_and_tag_between_collectives() -> None:
-    # A collective's seq counts collectives, a send's or recv's counts those: the record keeps
-    # each as its distance from the record's id.
+    # A collective's seq counts collectives, a send's or recv's counts those: records of both
+    # kinds, interleaved, each keep their own count beside the recorder's id.
     name = f"recorder-p2p-{os.getpid()}"
     both = threading.Barrier(2)
 
