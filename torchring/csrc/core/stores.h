@@ -2,8 +2,9 @@
 // streaming (non-temporal) stores, and the rule that picks one while the job runs.
 //
 // Why: an ordinary store to a cache line another core holds must first take the line from
-// that core. The peers read every staging line a rank writes, so each segment's writes wait on
-// cross-core ownership transfers. When the two CPUs sit close (a 2-vCPU guest whose vCPUs the
+// that core. The peers read every staging line a rank writes, so each segment's writes may wait
+// on cross-core ownership transfers (fewer since the buffers rotate among the ranks, so that a
+// rank writes the lines it read last: ShmGroup::nextBuffer). When the two CPUs sit close (a 2-vCPU guest whose vCPUs the
 // host runs on one core's two threads, or in one core complex) that is cheap; when the host
 // moves them apart, a cross-core round trip grows from ~50 to ~330-450 ns and a 1 MiB staged
 // allreduce from ~45 to ~550 us (benchmarks/probes/staged_probe.c reproduces it without torchring).

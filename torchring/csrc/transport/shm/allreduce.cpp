@@ -38,7 +38,9 @@ std::pair<size_t, size_t> chunkOf(int index, int n, size_t count, size_t esize) 
 // tensor stays cached.
 // Segments alternate between two staging buffers, so writing segment k+1 never races with
 // peers still reading segment k, and the wait at segment k+1 proves every peer is done with
-// segment k before segment k+2 reuses its buffer: no trailing barrier.
+// segment k before segment k+2 reuses its buffer: no trailing barrier. staged(p, buf) is where
+// rank p's copy is this time: the regions holding the buffer rotate among the ranks from one
+// use to the next, so a rank writes into lines it has just read (ShmGroup::nextBuffer).
 void ShmGroup::allreduce(char* data, size_t count, DType dtype, ReduceOp op, double scale,
                          const std::vector<OpHeader>& headers) {
   if (prestaged_ >= 0) return reduceStaged(data, count, dtype, op, scale, headers);

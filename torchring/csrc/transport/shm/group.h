@@ -171,7 +171,9 @@ class ShmGroup {
   void waitAll();
   void checkAbort() const;
   [[noreturn]] void failWaiting(int index, const char* why) const;
-  int nextBuffer() { return static_cast<int>(bufferCounter_++ & 1); }
+  // The staging buffer this segment uses (the parity of bufferCounter_), and which region
+  // holds each rank's copy of it this time (holder_, staging() in group.cpp).
+  int nextBuffer();
   void reduceStaged(char* data, size_t count, DType dtype, ReduceOp op, double scale,
                     const std::vector<OpHeader>& headers);
   void chooseSpin();
@@ -185,6 +187,7 @@ class ShmGroup {
   bool unlinked_ = true;
   uint32_t stamp_ = 0;           // phases this rank completed (mirrors its control stamp)
   uint64_t bufferCounter_ = 0;   // segments staged so far; parity picks the staging buffer
+  int holder_[2] = {0, 0};       // per staging buffer: local index i's copy is in region (i + holder_) mod n
   int prestaged_ = -1;           // staging buffer holding this operation's data, or -1
   StoreChooser stores_;          // cached or streaming staging writes (core/stores.h)
   // The same choice for the one-sync path's copy-in (its own history: its time per byte is

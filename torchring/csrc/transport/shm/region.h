@@ -4,7 +4,8 @@
 // A region is [control | header tables | staging buffers | p2p rings | arena], each part
 // starting on a page boundary: the control block below; two header tables of worldSize
 // OpHeaders (one per parity of the operation's seq); two staging buffers of segmentBytes
-// each, back to back (segments alternate between them, see allreduce.cpp); one
+// each, back to back (segments alternate between them, see allreduce.cpp; which rank's data
+// a region's buffer holds rotates from one use to the next, ShmGroup::nextBuffer); one
 // point-to-point ring per local rank that writes to this one (p2p.h); the arena (arena.h),
 // committed page by page on use.
 #pragma once
