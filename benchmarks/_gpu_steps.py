@@ -129,4 +129,11 @@ STEPS: list[Step] = [
          ("benchmarks/allreduce.py", "--device", "cuda", "--worlds", "2", "--sizes", "64K,1M,16M,64M",
           "--dtypes", "fp32", "--trials", "3", "--trial-s", "0.05", "--json", "{work}/allreduce-staged-w2.json"),
          60, 20),
+    # Issue #27's 16-host check where 16 ranks and the latency router have 16 cores, not 2 (on the
+    # 2-core machine the 16-host rows are CPU-bound); needs network namespaces, tc and a compiler
+    # on the machine, and fails at once, saying so, where it has none.
+    Step("scaleout-16", "16 test hosts on 16 cores, D = 1 ms, 200 Mbit/s: rows for scale_model.py --validate",
+         ("benchmarks/scaleout.py", "--hosts", "16", "--sizes", "8,8K,64K,1M", "--rate", "200mbit",
+          "--latency-us", "1000", "--trials", "3", "--no-mpi", "--json", "{work}/scaleout-16.json"),
+         200, 90, env=CPU_ONLY),
 ]

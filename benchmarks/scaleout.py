@@ -44,7 +44,7 @@ sys.path[:0] = [_HERE, _ROOT, os.path.join(_ROOT, "tests", "support")]
 
 import torch  # noqa: E402
 
-from _harness import common_args, finish, machine_info, max_over_ranks, sums_over_ranks  # noqa: E402
+from _harness import common_args, finish, machine_info, max_over_ranks, parse_args, sums_over_ranks  # noqa: E402
 from _sizes import fmt_size, parse_size  # noqa: E402
 
 ALGOS = ("auto", "ring", "doubling", "rabenseifner", "radix4", "multiplying")
@@ -236,7 +236,7 @@ def main() -> None:
     p.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mpi-main", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rows", help=argparse.SUPPRESS)
-    a = p.parse_args()
+    a = parse_args(p)  # TORCHRING_BENCH_PARSE_ONLY=1: stops here (gpu_suite.py --dry-run)
     if a.rank_main:
         return _rank_main(a)
     if a.mpi_main:
