@@ -4,10 +4,11 @@
 // Why: an ordinary store to a cache line another core holds must first take the line from
 // that core. The peers read every staging line a rank writes, so each segment's writes may wait
 // on cross-core ownership transfers (fewer since the buffers rotate among the ranks, so that a
-// rank writes the lines it read last: ShmGroup::nextBuffer). When the two CPUs sit close (a 2-vCPU guest whose vCPUs the
-// host runs on one core's two threads, or in one core complex) that is cheap; when the host
-// moves them apart, a cross-core round trip grows from ~50 to ~330-450 ns and a 1 MiB staged
-// allreduce from ~45 to ~550 us (benchmarks/probes/staged_probe.c reproduces it without torchring).
+// rank writes the lines it read last: ShmGroup::nextBuffer). When the two CPUs sit close (a
+// 2-vCPU guest whose vCPUs the host runs on one core's two threads, or in one core complex)
+// that is cheap; when the host moves them apart, a cross-core round trip grows from ~50 to
+// ~330-450 ns and a 1 MiB staged allreduce from ~45 to ~550 us (benchmarks/probes/
+// staged_probe.c reproduces it without torchring).
 // Streaming stores do not wait for ownership: ~1.5x slower than cached stores when the cores
 // are close, 8x faster when they are far (the same probe). The host moves vCPUs without notice,
 // so StoreChooser measures instead of guessing.
