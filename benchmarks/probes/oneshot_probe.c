@@ -49,6 +49,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "copy.h"
 #include "timer.h"
 
 enum { kVariants = 22, kIters = 2000, kMaxBlocks = 100000 };
@@ -77,10 +78,6 @@ static void add(float* dst, const float* a, const float* b, size_t n) {
 static void copyStream(float* dst, const float* src, size_t n) {
   for (size_t i = 0; i < n; i += 8) _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
   _mm_sfence();
-}
-
-static void movsb(void* dst, const void* src, size_t n) {
-  __asm__ volatile("rep movsb" : "+D"(dst), "+S"(src), "+c"(n) : : "memory");
 }
 
 // add() with the peer's lines asked for `ahead` lines before they are read (hint: _MM_HINT_T0 or NTA).

@@ -25,6 +25,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "copy.h"
 #include "timer.h"
 
 enum { kMaxChunks = 63, kIters = 20000, kBlocks = 7 };
@@ -33,10 +34,6 @@ typedef struct {
   _Alignas(64) atomic_ulong seq;
   char pad[56];
 } Flag;
-
-static void movsb(void* dst, const void* src, size_t n) {
-  __asm__ volatile("rep movsb" : "+D"(dst), "+S"(src), "+c"(n) : : "memory");
-}
 
 // One variant's timing, printed by the parent process.
 static void run(size_t bytes, size_t chunk, int rotate) {
