@@ -217,7 +217,9 @@ int ShmGroup::nextBuffer() {
 }
 
 char* ShmGroup::staging(int index, int buffer) const {
-  const int region = (index + holder_[buffer]) % localSize();
+  // (index + holder_) mod n without a division: both are below n. Called per rank per segment.
+  int region = index + holder_[buffer];
+  if (region >= localSize()) region -= localSize();
   return mappings_[region]->base + stagingOffset_ + buffer * stagingStride();
 }
 

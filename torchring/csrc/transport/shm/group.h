@@ -187,7 +187,8 @@ class ShmGroup {
   bool unlinked_ = true;
   uint32_t stamp_ = 0;           // phases this rank completed (mirrors its control stamp)
   uint64_t bufferCounter_ = 0;   // segments staged so far; parity picks the staging buffer
-  int holder_[2] = {0, 0};       // per staging buffer: local index i's copy is in region (i + holder_) mod n
+  int holder_[2] = {0, 0};       // per staging buffer: local index i's copy is in region
+                                 // (i + holder_) mod n (nextBuffer)
   int prestaged_ = -1;           // staging buffer holding this operation's data, or -1
   StoreChooser stores_;          // cached or streaming staging writes (core/stores.h)
   // The same choice for the one-sync path's copy-in (its own history: its time per byte is
