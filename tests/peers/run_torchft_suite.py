@@ -14,7 +14,8 @@ groups were formed. Of process_group_test.py only the gloo tests are selected (t
 torchft's NCCL, subprocess-based and dummy groups, which torchring does not replace).
 
 The exit status is 0 when every test that ran passed or is a known difference (KNOWN, with the
-reason). torchft's tests need ``parameterized`` (the `test` extra installs both).
+reason). A test that fails now and then with torchft's own gloo group too (FLAKY: a race of the
+test's threads) and fails with the words named there is run once more, and that run counts. torchft's tests need ``parameterized`` (the `test` extra installs both).
 
 This file is a tool, not a test: pytest does not collect it (its name does not start with test_).
 """
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 import _junit  # beside this file
 
@@ -56,6 +58,24 @@ KNOWN = {
                               "returning at once as gloo's buffered send does; the test's pool allows 10 s "
                               "in all",
 }
+
+# torchft tests that fail now and then with torchft's own ProcessGroupGloo as well: a race between
+# the test's threads, not a property of the process group. A failure with these words is run once
+# more, and the second run's outcome counts (the report says so).
+FLAKY = {
+    "test_streaming_diloco_upscale": (
+        "Timeout expired",
+        "replica 0 joins after the barrier at step 2; when replicas 1 and 2 form step 3's quorum "
+        "before its first request reaches the lighthouse, they finish at step 4 and it waits alone "
+        "for a quorum of min_replicas=2 until the 10 s timeout. On a 2-core machine the 12 cases "
+        "failed so in 6 of 19 runs with gloo and 1 of 15 with torchring"),
+}
+
+
+def flaky_reason(test: str, why: str) -> Optional[str]:
+    """Why a failure of `test` with message `why` is torchft's own race (FLAKY), or None."""
+    words, reason = FLAKY.get(re.sub(r"_\d+$", "", test), ("", ""))
+    return reason if words and words in why else None
 
 
 def torchft_dir() -> Path:
@@ -101,6 +121,25 @@ def read_report(path: Path) -> dict[str, tuple[str, str]]:
     return results
 
 
+def rerun_flaky(directory: Path, name: str, results: dict[str, tuple[str, str]], tmp: Path,
+                timeout: float) -> dict[str, str]:
+    """Runs the FLAKY failures of `results` once more and puts the second outcome in `results`;
+    returns a note for each test run again."""
+    again = {test: why for test, (outcome, why) in results.items()
+             if outcome == "FAIL" and flaky_reason(test, why)}
+    if not again:
+        return {}
+    report = tmp / (name.replace("/", "_") + ".again.xml")
+    run_file(directory, name, " or ".join(sorted(again)), report, timeout)
+    second = read_report(report)
+    notes = {}
+    for test, why in again.items():
+        results[test] = second.get(test, ("FAIL", "no report from the second run"))
+        notes[test] = (f"run twice: the first failed ({why}), torchft's own race ({flaky_reason(test, why)}); "
+                       f"the second: {results[test][0]} {results[test][1]}").rstrip()
+    return notes
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the files, prints a table per file and the totals; 0 when nothing unexplained failed."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -119,11 +158,13 @@ def main(argv: list[str] | None = None) -> int:
             report = Path(tmp) / (name.replace("/", "_") + ".xml")
             status, counts = run_file(directory, name, select, report, args.timeout)
             results = read_report(report)
+            reruns = rerun_flaky(directory, name, results, Path(tmp), args.timeout)
             everything[name] = results
             print(f"== {name}" + (f" (-k '{select}')" if select else "") + f": {counts}")
             for test, (outcome, why) in sorted(results.items()):
                 note = f"known ({KNOWN[test]}): {why}" if outcome == "FAIL" and test in KNOWN else why
-                print(f"  {outcome:>4}  {test}" + (f"  {note}" if note and outcome != "pass" else ""))
+                note = reruns.get(test, note if outcome != "pass" else "")
+                print(f"  {outcome:>4}  {test}" + (f"  {note}" if note else ""))
                 if outcome == "FAIL" and test not in KNOWN:
                     unexplained.append(f"{name}::{test}")
             if not results:
