@@ -4,6 +4,7 @@ without the Python lines (TORCHRING_TRACE_FRAMES=0) and on as by default, round 
     python benchmarks/trace_overhead.py                      # world 2, 7 rounds
     python benchmarks/trace_overhead.py --rounds 9 --json trace-overhead.json
     python benchmarks/trace_overhead.py --before /tmp/old    # also a checkout without the recorder
+    python benchmarks/trace_overhead.py --aa --world 1       # the interleaved measure's own floor
 
 Each round starts the three jobs under torchring-run (in reverse order in odd rounds, so drift
 hits them alike). Each job times, on every rank:
@@ -15,6 +16,8 @@ hits them alike). Each job times, on every rank:
                     the same allreduce on two more communicators over the same ranks, one
                     recording and one not, in 301 alternating trials of 400 calls: the median
                     of the trials' on/off ratios (a slow spell of the machine hits both alike)
+With --aa neither interleaved communicator records (an A/A check: what the measure reads when
+nothing differs; at world 1 no rank waits for another, so the recorder's own cost stands alone).
 With --before DIR (a checkout of a commit before the recorder and the wait timing, its engine
 built with TORCHRING_CACHE_DIR=DIR/.cache) a fourth job runs that checkout: what everything the
 recorder added costs, the always-on wait timing of the stragglers report included.
@@ -91,7 +94,8 @@ def _interleaved(t: "torch.Tensor", pairs: int = 301, calls: int = 400) -> list[
     engine, settings = _build.load(), _context.settings()
     store, prefix, host = _context.wiring()
     comms = {}
-    for name, trace in (("off", 0), ("on", settings.trace or 512)):
+    on = 0 if os.environ.get("TORCHRING_BENCH_AA") == "1" else settings.trace or 512  # --aa: both off
+    for name, trace in (("off", 0), ("on", on)):
         comms[name] = _rendezvous.connect(engine, store, f"{prefix}bench-{name}/", torchring.rank(), torchring.size(),
                                           dataclasses.replace(settings, trace=trace), host,
                                           _context.launch_info().master_addr).comm
@@ -139,10 +143,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--json", help="also write the rounds here")
     parser.add_argument("--before", help="a checkout without the recorder, timed as a fourth job")
+    parser.add_argument("--aa", action="store_true", help="neither interleaved communicator records (A/A)")
     parser.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     args = _harness.parse_args(parser)
     if args.inner:
         return inner()
+    if args.aa:
+        os.environ["TORCHRING_BENCH_AA"] = "1"  # the jobs inherit it
     info = _harness.machine_info()
     _harness.print_header("flight recorder on vs off", info, f"world {args.world}, {args.rounds} rounds")
     configs = (["before"] if args.before else []) + list(CONFIGS)
