@@ -15,7 +15,8 @@ torchft's NCCL, subprocess-based and dummy groups, which torchring does not repl
 
 The exit status is 0 when every test that ran passed or is a known difference (KNOWN, with the
 reason). A test that fails now and then with torchft's own gloo group too (FLAKY: a race of the
-test's threads) and fails with the words named there is run once more, and that run counts. torchft's tests need ``parameterized`` (the `test` extra installs both).
+test's threads) and fails with the words named there is run once more, and that run counts.
+torchft's tests need ``parameterized`` (the `test` extra installs both).
 
 This file is a tool, not a test: pytest does not collect it (its name does not start with test_).
 """
