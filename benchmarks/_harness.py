@@ -130,6 +130,23 @@ def _over_ranks(values: list[float], op: str) -> list[float]:
     return t.tolist()
 
 
+def world_communicator(name: str, trace: int) -> tuple[Any, Any]:
+    """(engine, communicator): one more communicator over the initialized world's ranks, under
+    its own store prefix `name`, with `trace` flight recorder entries (0: none); the caller shuts
+    it down."""
+    import dataclasses
+
+    import torchring
+    from torchring._core import build as _build, context as _context, rendezvous as _rendezvous
+
+    engine, settings = _build.load(), _context.settings()
+    store, prefix, host = _context.wiring()
+    comm = _rendezvous.connect(engine, store, f"{prefix}{name}/", torchring.rank(), torchring.size(),
+                               dataclasses.replace(settings, trace=trace), host,
+                               _context.launch_info().master_addr).comm
+    return engine, comm
+
+
 def max_over_ranks(values: list[float]) -> list[float]:
     """Elementwise max of `values` over the default group's ranks (the same list on every rank)."""
     return _over_ranks(values, "MAX")

@@ -86,20 +86,13 @@ def _interleaved(t: "torch.Tensor", pairs: int = 301, calls: int = 400) -> list[
     communicators over the same ranks, one recording (TORCHRING_TRACE's default) and one not,
     timed in alternating trials of `calls` calls, so that the machine's slow and fast spells
     (they last seconds) fall on both alike."""
-    import dataclasses
+    from torchring._core import context as _context
 
-    import torchring
-    from torchring._core import build as _build, context as _context, rendezvous as _rendezvous
-
-    engine, settings = _build.load(), _context.settings()
-    store, prefix, host = _context.wiring()
-    comms = {}
-    on = 0 if os.environ.get("TORCHRING_BENCH_AA") == "1" else settings.trace or 512  # --aa: both off
+    on = 0 if os.environ.get("TORCHRING_BENCH_AA") == "1" else _context.settings().trace or 512  # --aa: both off
+    comms, calls_of = {}, {}
     for name, trace in (("off", 0), ("on", on)):
-        comms[name] = _rendezvous.connect(engine, store, f"{prefix}bench-{name}/", torchring.rank(), torchring.size(),
-                                          dataclasses.replace(settings, trace=trace), host,
-                                          _context.launch_info().master_addr).comm
-    calls_of = {name: engine.allreduce_now_function(c) for name, c in comms.items()}
+        engine, comms[name] = _harness.world_communicator(f"bench-{name}", trace)
+        calls_of[name] = engine.allreduce_now_function(comms[name])
     times: dict[str, list[float]] = {"off": [], "on": []}
     try:
         for i in range(pairs):

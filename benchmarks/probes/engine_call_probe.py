@@ -14,25 +14,24 @@ the VM's fast and slow spells last seconds.
 
 from __future__ import annotations
 
-import dataclasses
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 import torchring
-from torchring._core import build as _build, context as _context, rendezvous as _rendezvous
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for _harness
+import _harness  # noqa: E402
 
 
 def main() -> None:
     """Times PROBE_CALLS calls and has rank 0 print ns per call."""
     torchring.init()
-    engine, settings = _build.load(), _context.settings()
-    store, prefix, host = _context.wiring()
     trace = int(os.environ.get("PROBE_TRACE", "0"))
-    comm = _rendezvous.connect(engine, store, f"{prefix}engine-call-probe/", torchring.rank(), torchring.size(),
-                               dataclasses.replace(settings, trace=trace), host,
-                               _context.launch_info().master_addr).comm
+    engine, comm = _harness.world_communicator("engine-call-probe", trace)
     call = engine.allreduce_now_function(comm)
     t = torch.zeros(int(os.environ.get("PROBE_NUMEL", "1")))
     calls = int(os.environ.get("PROBE_CALLS", "2000000"))
