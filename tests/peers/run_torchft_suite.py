@@ -126,17 +126,17 @@ def rerun_flaky(directory: Path, name: str, results: dict[str, tuple[str, str]],
                 timeout: float) -> dict[str, str]:
     """Runs the FLAKY failures of `results` once more and puts the second outcome in `results`;
     returns a note for each test run again."""
-    again = {test: why for test, (outcome, why) in results.items()
-             if outcome == "FAIL" and flaky_reason(test, why)}
+    again = {test: (why, reason) for test, (outcome, why) in results.items()
+             if outcome == "FAIL" and (reason := flaky_reason(test, why))}
     if not again:
         return {}
     report = tmp / (name.replace("/", "_") + ".again.xml")
     run_file(directory, name, " or ".join(sorted(again)), report, timeout)
     second = read_report(report)
     notes = {}
-    for test, why in again.items():
+    for test, (why, reason) in again.items():
         results[test] = second.get(test, ("FAIL", "no report from the second run"))
-        notes[test] = (f"run twice: the first failed ({why}), torchft's own race ({flaky_reason(test, why)}); "
+        notes[test] = (f"run twice: the first failed ({why}), torchft's own race ({reason}); "
                        f"the second: {results[test][0]} {results[test][1]}").rstrip()
     return notes
 
