@@ -134,6 +134,41 @@ def _fast_call_cases(rank: int) -> list[str]:
         return chk.failures
 
 
+def _fast_call_group_cases(rank: int) -> list[str]:
+    """The engine's allreduce entry on a group's communicator (torchring.allreduce takes it for
+    the world only): an allreduce run inline has no handle, so its failure must still carry the
+    group's words and leave the group usable; one issued behind a queued allreduce waits its turn."""
+    import torchring
+    from torchring import ReduceOp
+    from torchring._core import context as _context
+
+    with session():
+        world = torchring.size()
+        chk = Checker(rank)
+        group = torchring.new_group(list(range(world)))
+        fast = _context._state.engine.allreduce_now_function(group._comm)
+        try:
+            fast(torch.ones(3 + rank), int(ReduceOp.SUM))
+            chk.true("fast call with shapes that differ", False, "raised nothing")
+        except torchring.CollectiveMismatchError as e:
+            words = f"group {group._gid} of world ranks"
+            chk.true("fast call with shapes that differ", str(e).startswith(words) and "does not match" in str(e),
+                     f"the message does not start with {words!r} or name the mismatch: {e}")
+        t = rank_input(rank, world, 7, torch.int32)
+        chk.true("fast call after the mismatch", fast(t, int(ReduceOp.SUM)) is True, "did not run")
+        chk.equal("fast call after the mismatch", t, expected_allreduce(world, 7, torch.int32, "SUM"))
+        for n in (BIG, 1000):  # the queued one is likely still running: the fast call waits behind it
+            queued = rank_input(rank, world, n, torch.float32)
+            handle = group.allreduce_async(queued)
+            t = rank_input(rank, world, 9, torch.int64, "MAX")
+            chk.true(f"fast call behind allreduce_async([{n}])", fast(t, int(ReduceOp.MAX)) is True, "did not run")
+            chk.equal(f"fast call behind allreduce_async([{n}])", t, expected_allreduce(world, 9, torch.int64, "MAX"))
+            handle.wait()
+            chk.equal(f"allreduce_async([{n}]) before the fast call", queued,
+                      expected_allreduce(world, n, torch.float32, "SUM"))
+        return chk.failures
+
+
 def _async_cases(rank: int) -> list[str]:
     """Issue several allreduce_async, one sync allreduce in between, then wait in order."""
     import torchring
@@ -298,6 +333,11 @@ def test_16bit_accumulates_in_fp32(setup: str) -> None:
 @pytest.mark.parametrize("world", [1, 3])
 def test_fast_call(world: int) -> None:
     assert_no_failures(spawn(world, _fast_call_cases))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fast_call_on_a_group(world: int) -> None:
+    assert_no_failures(spawn(world, _fast_call_group_cases))
 
 
 @pytest.mark.parametrize("world,transport", [(2, "tcp"), (3, "shm")])

@@ -32,22 +32,27 @@ std::string CpuWork::error() {
   return message_;
 }
 
+std::exception_ptr withContext(std::exception_ptr error, const std::string& context) {
+  if (!error || context.empty()) return error;
+  try {
+    std::rethrow_exception(error);
+  } catch (const MismatchError& e) {
+    return std::make_exception_ptr(MismatchError(context + e.what()));
+  } catch (const CommFailedError& e) {
+    return std::make_exception_ptr(CommFailedError(context + e.what()));
+  } catch (const WaitTimeoutError& e) {
+    return std::make_exception_ptr(WaitTimeoutError(context + e.what()));
+  } catch (const TorchringError& e) {
+    return std::make_exception_ptr(TorchringError(context + e.what()));
+  } catch (...) {
+  }
+  return error;
+}
+
 void CpuWork::finish(at::Tensor result, std::exception_ptr error) {
   std::string message;
   if (error) {
-    // The same class again, the context in front (most derived classes first).
-    try {
-      std::rethrow_exception(error);
-    } catch (const MismatchError& e) {
-      if (!context_.empty()) error = std::make_exception_ptr(MismatchError(context_ + e.what()));
-    } catch (const CommFailedError& e) {
-      if (!context_.empty()) error = std::make_exception_ptr(CommFailedError(context_ + e.what()));
-    } catch (const WaitTimeoutError& e) {
-      if (!context_.empty()) error = std::make_exception_ptr(WaitTimeoutError(context_ + e.what()));
-    } catch (const TorchringError& e) {
-      if (!context_.empty()) error = std::make_exception_ptr(TorchringError(context_ + e.what()));
-    } catch (...) {
-    }
+    error = withContext(std::move(error), context_);
     try {
       std::rethrow_exception(error);
     } catch (const std::exception& e) {

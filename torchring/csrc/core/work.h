@@ -42,6 +42,10 @@ class Work {
   int rank_;
 };
 
+// `error` as the same exception class with `context` in front of its message (most derived
+// classes first; any other exception, or an empty context, as it is).
+std::exception_ptr withContext(std::exception_ptr error, const std::string& context);
+
 // An operation of the CPU engine: finished once, by the thread that ran it.
 class CpuWork : public Work {
  public:

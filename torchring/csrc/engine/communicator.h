@@ -10,6 +10,7 @@
 
 #include <ATen/ATen.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <exception>
@@ -153,8 +154,11 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // Queues a collective on `tensor` and returns its handle. Operations run in submission
   // order, which must be the same on every rank. With runInline, an idle communicator runs
   // it on the calling thread (no hand-off latency) and the handle is complete on return.
+  // handleless (with runInline): the caller only waits, so an operation that runs inline gets
+  // no handle (nullptr is returned, and its failure is thrown here); one that must queue
+  // still gets one.
   std::shared_ptr<CpuWork> submit(OpKind kind, at::Tensor tensor, ReduceOp op, int root,
-                               bool runInline, OpArgs args = {});
+                               bool runInline, OpArgs args = {}, bool handleless = false);
   // torchring.allreduce's fast path: when `tensor` and `op` are what the Python API's checks
   // would pass unchanged (a contiguous CPU tensor of a supported dtype, an op valid for it)
   // and this is the process that made the communicator, runs the allreduce as submit(...,
@@ -199,7 +203,8 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
     OpHeader header;
     at::Tensor tensor;
     OpArgs args;
-    std::shared_ptr<CpuWork> work;
+    std::shared_ptr<CpuWork> work;  // null: run inline for a caller that waits (submit's handleless)
+    std::exception_ptr error;       // how it failed, when it has no work to finish
     uint64_t traceId = 0;  // its flight recorder entry
   };
   void checkArgs(OpKind kind, const at::Tensor& tensor, ReduceOp op, int root, const OpArgs& args) const;
@@ -215,12 +220,14 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   void postFailure(const std::string& message);
   OpHeader makeHeader(OpKind kind, const at::Tensor& tensor, ReduceOp op, int root,
                       const OpArgs* args = nullptr) const;
-  std::shared_ptr<CpuWork> enqueue(Op item, bool runInline);
+  std::shared_ptr<CpuWork> enqueue(Op item, bool runInline, bool handleless = false);
   void workerLoop();
   // Runs `op` with busy_ set (the one operation in flight); `lock` holds mutex_ on entry and
   // on return, and is released while the operation runs. onWorker: on the progress thread.
   void runExclusive(Op& op, std::unique_lock<std::mutex>& lock, bool onWorker);
   void execute(Op& op);
+  // Ends `op`: finishes its handle, or keeps the error for the inline caller that has none.
+  void complete(Op& op, at::Tensor result, std::exception_ptr error);
   at::Tensor run(Op& op);
   std::vector<OpHeader> exchangeHeaders(const OpHeader& header, const at::Tensor& tensor = at::Tensor());
   void checkHeaders(const std::vector<OpHeader>& headers) const;
@@ -285,7 +292,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   std::condition_variable cv_;
   std::deque<Op> queue_;
   bool busy_ = false, stopping_ = false;
-  std::shared_ptr<CpuWork> running_;  // the handle of the operation in flight (busy_)
+  std::atomic<bool> runningDone_{false};  // the operation in flight (busy_) has finished
   uint64_t nextSeq_ = 0;
   // The first failure; every later operation reports it (its errors add kRecoveryHint).
   std::string failure_;
