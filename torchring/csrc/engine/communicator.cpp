@@ -267,15 +267,18 @@ bool Communicator::allreduceNow(const at::Tensor& tensor, int op) {
 
 void Communicator::abort(const std::string& why) {
   if (forkGeneration() == forkGeneration_) {  // a forked child's copy only lets go (shutdown)
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (failure_.empty()) failure_ = why;
-    }
+    keepFailure(why);
     if (shm_) shm_->abort(why);
     postFailure(why);  // before the links close (see execute)
     if (tcp_) tcp_->interrupt();
   }
   shutdown();
+}
+
+void Communicator::keepFailure(const std::string& message) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (failure_.empty()) failure_ = message;
+  failed_.store(true, std::memory_order_release);
 }
 
 std::string Communicator::failure() {
@@ -372,7 +375,7 @@ void Communicator::execute(Op& op) {
   recorder_->started(op.traceId);
   if (shm_) shm_->waits().startOp();
   if (tcp_) tcp_->waits().startOp();
-  {
+  if (failed_.load(std::memory_order_acquire)) {  // set with failure_ (keepFailure): no lock per operation
     std::lock_guard<std::mutex> lock(mutex_);
     if (!failure_.empty()) {
       recorder_->finished(op.traceId, false);
@@ -405,10 +408,7 @@ void Communicator::execute(Op& op) {
     }
   }
   if (!failure.empty()) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (failure_.empty()) failure_ = failure;
-    }
+    keepFailure(failure);
     if (shm_) shm_->abort(failure);
     postFailure(failure);  // before the links close: a partner that sees them close reads it at once
     if (tcp_) tcp_->close();
@@ -439,7 +439,7 @@ at::Tensor Communicator::run(Op& op) {
     tcp_->setOp(header);
   }
   if (numHosts() > 1 && ridesOnHeaders(header)) return runCarried(op);
-  std::vector<OpHeader> headers = exchangeHeaders(header, op.tensor);
+  const std::vector<OpHeader>& headers = exchangeHeaders(header, op.tensor);
   checkHeaders(headers);
   if (header.onGpu) {  // NCCL moves this operation's data
     if (shm_) shm_->markDone(header.seq);
@@ -492,8 +492,9 @@ at::Tensor Communicator::run(Op& op) {
 // hosts by the leaders' header exchange (fused.cpp), who then publish the full table locally. On
 // one host a small allreduce stages `tensor`'s data with its header (one synchronization
 // for both, ShmGroup::fitsOneSync).
-std::vector<OpHeader> Communicator::exchangeHeaders(const OpHeader& header, const at::Tensor& tensor) {
-  std::vector<OpHeader> all(opt_.size);
+const std::vector<OpHeader>& Communicator::exchangeHeaders(const OpHeader& header, const at::Tensor& tensor) {
+  std::vector<OpHeader>& all = headers_;
+  all.assign(opt_.size, OpHeader());
   all[opt_.rank] = header;
   if (shm_ && numHosts() == 1 && tensor.defined() && shm_->fitsOneSync(header)) {
     shm_->exchangeHeadersWithData(header, static_cast<const char*>(tensor.data_ptr()), all);

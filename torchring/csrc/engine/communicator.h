@@ -229,7 +229,8 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // Ends `op`: finishes its handle, or keeps the error for the inline caller that has none.
   void complete(Op& op, at::Tensor result, std::exception_ptr error);
   at::Tensor run(Op& op);
-  std::vector<OpHeader> exchangeHeaders(const OpHeader& header, const at::Tensor& tensor = at::Tensor());
+  // Every rank's header, in headers_ (valid until the next operation runs).
+  const std::vector<OpHeader>& exchangeHeaders(const OpHeader& header, const at::Tensor& tensor = at::Tensor());
   void checkHeaders(const std::vector<OpHeader>& headers) const;
   void allreduce(char* data, const OpHeader& header, const std::vector<OpHeader>& headers);
   void broadcast(char* data, size_t bytes, int root);
@@ -247,6 +248,8 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // Waits for point-to-point transfers a collective posted (rethrows the first failure).
   static void waitAll(const std::vector<std::shared_ptr<CpuWork>>& works);
   std::string failedMessage(const OpHeader& header) const;
+  // Keeps `message` as the communicator's failure unless one is kept already.
+  void keepFailure(const std::string& message);
   AllreduceChoice allreduceAlgo(const OpHeader& header) const;
   // The op to fold with and the factor for the full sum: AVG folds as SUM, and its 1/size and
   // the postscale are applied once, to the full-precision sum.
@@ -293,9 +296,11 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   std::deque<Op> queue_;
   bool busy_ = false, stopping_ = false;
   std::atomic<bool> runningDone_{false};  // the operation in flight (busy_) has finished
+  std::vector<OpHeader> headers_;  // exchangeHeaders' table (one operation runs at a time: busy_)
   uint64_t nextSeq_ = 0;
   // The first failure; every later operation reports it (its errors add kRecoveryHint).
   std::string failure_;
+  std::atomic<bool> failed_{false};  // failure_ is set: execute() looks at it only then
   std::thread worker_;
   std::shared_ptr<FlightRecorder> recorder_;
   uint64_t nextP2P_ = 0;  // point-to-point operations recorded so far

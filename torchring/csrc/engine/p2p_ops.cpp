@@ -57,10 +57,7 @@ void Communicator::checkPeer(const at::Tensor& tensor, int peer, int64_t tag, co
 }
 
 void Communicator::onP2PFailure(const std::string& message) {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (failure_.empty()) failure_ = message;
-  }
+  keepFailure(message);
   if (shm_) shm_->abort(message);
   postFailure(message);  // before the links close (see execute)
   if (tcp_) tcp_->interrupt();
