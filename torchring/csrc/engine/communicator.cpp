@@ -365,8 +365,9 @@ std::string Communicator::failedMessage(const OpHeader& header) const {
          failure_;
 }
 
-// Runs one operation and completes its handle. A mismatch (thrown by checkHeaders, after the
-// header exchange and before any data moved) fails only this operation: every rank saw the
+// Runs one operation and completes it (complete(): its handle, or the error an inline caller
+// without one throws). A mismatch (thrown by checkHeaders, after the header exchange and
+// before any data moved) fails only this operation: every rank saw the
 // same table of headers, so every rank fails it the same way and the next operation starts
 // from the same state everywhere. Any other failure fails the communicator: the peers are
 // told (shared-memory abort, ring sockets closed, failure board), and every later operation

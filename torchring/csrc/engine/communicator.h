@@ -162,8 +162,8 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // torchring.allreduce's fast path: when `tensor` and `op` are what the Python API's checks
   // would pass unchanged (a contiguous CPU tensor of a supported dtype, an op valid for it)
   // and this is the process that made the communicator, runs the allreduce as submit(...,
-  // runInline = true) and waits for it, then returns true; else returns false and does
-  // nothing, and the caller takes the checked path, which words the error.
+  // runInline = true, handleless = true) and waits for it, then returns true; else returns
+  // false and does nothing, and the caller takes the checked path, which words the error.
   bool allreduceNow(const at::Tensor& tensor, int op);
   // Point-to-point (p2p.h): not part of the ordered queue; ranks and tags as the caller gives.
   std::shared_ptr<CpuWork> send(at::Tensor tensor, int peer, int64_t tag);
