@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 
 import pytest
 import torch
@@ -137,7 +138,9 @@ def _fast_call_cases(rank: int) -> list[str]:
 def _fast_call_group_cases(rank: int) -> list[str]:
     """The engine's allreduce entry on a group's communicator (torchring.allreduce takes it for
     the world only): an allreduce run inline has no handle, so its failure must still carry the
-    group's words and leave the group usable; one issued behind a queued allreduce waits its turn."""
+    group's words and leave the group usable; one issued behind a running allreduce_async (the
+    last rank comes late to it, so on the others it is still running) gets a handle and waits its
+    turn."""
     import torchring
     from torchring import ReduceOp
     from torchring._core import context as _context
@@ -157,8 +160,10 @@ def _fast_call_group_cases(rank: int) -> list[str]:
         t = rank_input(rank, world, 7, torch.int32)
         chk.true("fast call after the mismatch", fast(t, int(ReduceOp.SUM)) is True, "did not run")
         chk.equal("fast call after the mismatch", t, expected_allreduce(world, 7, torch.int32, "SUM"))
-        for n in (BIG, 1000):  # the queued one is likely still running: the fast call waits behind it
+        for n in (BIG, 1000):
             queued = rank_input(rank, world, n, torch.float32)
+            if rank == world - 1:  # the others' allreduce_async waits for this rank: their fast call queues
+                time.sleep(0.3)
             handle = group.allreduce_async(queued)
             t = rank_input(rank, world, 9, torch.int64, "MAX")
             chk.true(f"fast call behind allreduce_async([{n}])", fast(t, int(ReduceOp.MAX)) is True, "did not run")

@@ -158,9 +158,10 @@ void Communicator::shutdown() {
     if (stopping_) return;
     stopping_ = true;
     dropped.swap(queue_);
-    // An operation whose handle is already complete is only clearing busy_ (its caller may
-    // have seen the result and shut down in that instant): waiting for it is immediate, and
-    // aborting would fail the peers still finishing that very operation.
+    // An operation already complete (complete(): its handle finished, or its error kept for
+    // the inline caller) is only clearing busy_ (its caller may have seen the result and shut
+    // down in that instant): waiting for it is immediate, and aborting would fail the peers
+    // still finishing that very operation.
     inFlight = busy_ && !runningDone_.load();
   }
   cv_.notify_all();
@@ -425,12 +426,13 @@ void Communicator::execute(Op& op) {
 }
 
 void Communicator::complete(Op& op, at::Tensor result, std::exception_ptr error) {
+  // Before the handle wakes its waiter: one that then shuts down must find the operation over.
+  runningDone_.store(true);
   if (op.work) {
     op.work->finish(std::move(result), error);
   } else {
     op.error = std::move(error);
   }
-  runningDone_.store(true);
 }
 
 at::Tensor Communicator::run(Op& op) {
