@@ -2,12 +2,14 @@
 the last N operations in order, with their states, times and the Python line that issued them,
 each with its own shape, kind, root and seq whatever N and however many shapes came before,
 sends and receives with their own seq, peer and tag between collectives (world 2), records
-failures as failed, and records nothing when off."""
+failures as failed, and records nothing when off. On a host of two ranks, an operation run at
+once is recorded while it waits for its peer, whole and with its line."""
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -148,3 +150,47 @@ def test_send_and_recv_keep_their_own_seq_peer_and_tag_between_collectives() -> 
         assert [e["tag"] for e in entries if e["p2p"]] == [5, 6, 7]
         kinds.append(sorted({(e["kind"], e["peer"]) for e in entries if e["p2p"]}))
     assert sorted(kinds) == [[("recv", 0)], [("send", 1)]], kinds
+
+
+def test_an_operation_run_at_once_is_recorded_while_it_waits_for_its_peer() -> None:
+    # On a host of two ranks, the entry of an operation run at once is written once its header
+    # is out, while the rank waits for its peers (Communicator::writeDeferredTrace): rank 0's
+    # allreduce must show up, started and with its line, while rank 1 has not come yet, and
+    # end completed with its times in order, its sum exact.
+    ENGINE.set_trace_skip_prefixes([str(Path(torchring.__file__).parent) + os.sep])
+    name = f"recorder-waiting-{os.getpid()}"
+    seen: list[dict[str, Any]] = []
+
+    def own_entries() -> tuple[list[dict[str, Any]], dict[int, tuple[str, int, str]]]:
+        groups, frames, _ = ENGINE.trace_snapshot()
+        entries = [e for g in groups if g["name"] == name for e in g["entries"]]
+        return entries, frames
+
+    both = threading.Barrier(2)
+
+    def steps(rank: int, comm: Any) -> tuple[float, list[dict[str, Any]]]:
+        t = torch.full((1024,), float(rank + 1))
+        if rank == 1:  # late: first look at what rank 0's recorder says while it waits
+            deadline = time.monotonic() + 10
+            while not seen and time.monotonic() < deadline:
+                entries, frames = own_entries()
+                seen.extend((e, frames.get(e["frame"])) for e in entries)
+                time.sleep(0.01)
+        comm.submit(OpKind.ALLREDUCE, t, ReduceOp.SUM, -1, True).wait(10)  # the waiting line
+        both.wait(10)  # both ranks done, neither shut down yet
+        entries = own_entries()[0] if rank == 0 else []
+        both.wait(10)
+        return t[0].item(), entries
+
+    results = run_world(2, steps, options={"trace_name": name, "trace_entries": 16})
+    assert seen, "rank 0's allreduce was not recorded while it waited for rank 1"
+    entry, frame = seen[0]
+    assert (entry["kind"], entry["seq"], entry["state"], entry["shape"]) == ("allreduce", 0, "started", [1024]), entry
+    assert entry["finished_ns"] == 0 < entry["enqueued_ns"] <= entry["started_ns"], entry
+    assert frame is not None and (Path(frame[0]).name, frame[1]) == (Path(__file__).name, _line("# the waiting line"))
+    assert [r[0] for r in results] == [3.0, 3.0]
+    finished = [e for e in results[0][1] if e["state"] == "completed"]
+    assert len(finished) == 2, results[0][1]  # both ranks' entries, both whole
+    for e in finished:
+        assert (e["kind"], e["seq"], e["shape"]) == ("allreduce", 0, [1024]), e
+        assert 0 < e["enqueued_ns"] <= e["started_ns"] <= e["finished_ns"], e

@@ -122,6 +122,7 @@ void Communicator::start() {
     return comm ? WaitTotals{comm->waitedSeconds(), comm->ownLinkSeconds()} : WaitTotals();
   });
   if (tcp_ && shm_) tcp_->setOnProgress([this] { shm_->heartbeat(); });
+  if (shm_) shm_->setOnArrived([this] { writeDeferredTrace(); });
   if (p2p_) p2p_->setOnFailure([this](const std::string& message) { onP2PFailure(message); });
   worker_ = std::thread([this] { workerLoop(); });
 }
@@ -308,7 +309,17 @@ std::shared_ptr<CpuWork> Communicator::enqueue(Op item, bool runInline, bool han
   std::unique_lock<std::mutex> lock(mutex_);
   item.header.seq = nextSeq_++;
   const bool runNow = runInline && queue_.empty() && !busy_ && !stopping_;
-  item.traceId = recorder_->record(item.header, frame, runNow);
+  // One that runs now on one host, where its first step is the shared-memory header exchange:
+  // its entry's slot is written there, once this rank's header is out (writeDeferredTrace):
+  // that work then overlaps the wait for the peers, which a small operation spends most of its
+  // time in, instead of adding to it. Its times then start at that moment.
+  item.traceId = recorder_->reserve();
+  if (runNow && shm_ && numHosts() == 1 && recorder_->enabled()) {
+    item.traceDeferred = true;
+    item.traceFrame = frame;
+  } else {
+    recorder_->fill(item.traceId, item.header, frame, runNow);
+  }
   if (runNow && handleless) {
     runExclusive(item, lock, false);
     lock.unlock();
@@ -374,12 +385,17 @@ std::string Communicator::failedMessage(const OpHeader& header) const {
 // told (shared-memory abort, ring sockets closed, failure board), and every later operation
 // reports the first failure.
 void Communicator::execute(Op& op) {
-  recorder_->started(op.traceId);
+  if (op.traceDeferred) {
+    deferredTrace_ = &op;
+  } else {
+    recorder_->started(op.traceId);
+  }
   if (shm_) shm_->waits().startOp();
   if (tcp_) tcp_->waits().startOp();
   if (failed_.load(std::memory_order_acquire)) {  // set with failure_ (keepFailure): no lock per operation
     std::lock_guard<std::mutex> lock(mutex_);
     if (!failure_.empty()) {
+      writeDeferredTrace();
       recorder_->finished(op.traceId, false);
       complete(op, {}, std::make_exception_ptr(CommFailedError(failedMessage(op.header), kRecoveryHint)));
       return;
@@ -419,10 +435,18 @@ void Communicator::execute(Op& op) {
     recorder_->setFailure(failure);
     FlightRecorder::notifyFailure();
   }
+  writeDeferredTrace();  // an operation that failed before its header went out
   recorder_->finished(op.traceId, error == nullptr);
   op.tensor = at::Tensor();
   op.args = OpArgs();
   complete(op, std::move(result), error);
+}
+
+void Communicator::writeDeferredTrace() {
+  if (Op* op = deferredTrace_) {
+    deferredTrace_ = nullptr;
+    recorder_->fill(op->traceId, op->header, op->traceFrame, true);
+  }
 }
 
 void Communicator::complete(Op& op, at::Tensor result, std::exception_ptr error) {

@@ -206,7 +206,13 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
     std::shared_ptr<CpuWork> work;  // null: run inline for a caller that waits (submit's handleless)
     std::exception_ptr error;       // how it failed, when it has no work to finish
     uint64_t traceId = 0;  // its flight recorder entry
+    bool traceDeferred = false;  // the entry's slot is written only as the operation runs
+    uint32_t traceFrame = 0;     // ... with this Python frame
   };
+  // Writes the entry of the running operation whose slot was left to write (enqueue), if not
+  // yet: the shared-memory header exchange calls it once this rank's header is out, while the
+  // rank waits for its peers, and execute() before it marks the operation finished.
+  void writeDeferredTrace();
   void checkArgs(OpKind kind, const at::Tensor& tensor, ReduceOp op, int root, const OpArgs& args) const;
   void checkPeer(const at::Tensor& tensor, int peer, int64_t tag, const char* what) const;
   void onP2PFailure(const std::string& message);
@@ -303,6 +309,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   std::atomic<bool> failed_{false};  // failure_ is set: execute() looks at it only then
   std::thread worker_;
   std::shared_ptr<FlightRecorder> recorder_;
+  Op* deferredTrace_ = nullptr;  // the running operation, while its entry waits to be written
   uint64_t nextP2P_ = 0;  // point-to-point operations recorded so far
   // The straggler warning (noteWaits): the late rank of each of the last kLateWindow
   // collectives (-1: none), how often each rank appears there, and who was named already.

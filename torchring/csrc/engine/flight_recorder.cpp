@@ -81,8 +81,21 @@ FlightRecorder::Slot* FlightRecorder::slotOf(uint64_t id) {
 
 uint64_t FlightRecorder::record(const OpHeader& header, uint32_t frame, bool startsNow, bool p2p, int peer,
                                 int64_t tag) {
+  const uint64_t id = reserve();
+  fill(id, header, frame, startsNow, p2p, peer, tag);
+  return id;
+}
+
+uint64_t FlightRecorder::reserve() {
   if (capacity_ == 0) return 0;
   const uint64_t id = next_.load(std::memory_order_relaxed);
+  next_.store(id + 1, std::memory_order_release);  // snapshot() skips the slot until fill() ends
+  return id;
+}
+
+void FlightRecorder::fill(uint64_t id, const OpHeader& header, uint32_t frame, bool startsNow, bool p2p, int peer,
+                          int64_t tag) {
+  if (capacity_ == 0) return;
   Slot& slot = slots_[id % capacity_];
   slot.version.store(2 * id + 1, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_release);
@@ -105,14 +118,12 @@ uint64_t FlightRecorder::record(const OpHeader& header, uint32_t frame, bool sta
   slot.startedAt.store(startsNow ? slot.enqueued : 0, std::memory_order_relaxed);
   slot.finishedAt.store(0, std::memory_order_relaxed);
   slot.version.store(2 * id + 2, std::memory_order_release);
-  next_.store(id + 1, std::memory_order_release);
   // The next slot, written at the next operation, into the cache now: a store that misses is
   // cheap until the next locked instruction (the communicator's mutex, right after), which
   // waits for it to reach memory; a prefetch is not waited for.
   const Slot* ahead = &slots_[(id + 1) % capacity_];
   __builtin_prefetch(ahead, 1, 3);
   __builtin_prefetch(reinterpret_cast<const char*>(ahead) + 64, 1, 3);
-  return id;
 }
 
 void FlightRecorder::started(uint64_t id) {

@@ -5,14 +5,17 @@
 //
 // Recording must cost next to nothing on a 4 KiB allreduce, so a slot is written without a
 // lock: record() (whose callers hold the communicator's mutex, so ids need no atomic add) takes
-// the next id, owns slot id % capacity, marks its version odd while it copies the header's fields in,
-// then even (2 * id + 2) once it is whole. A reader (snapshot, any thread) copies a slot
-// between two loads of its version and keeps the copy only when both are the same even number
-// (a seqlock). started() and finished() touch only atomics, and only while the slot still
-// holds their id. Times are read from the CPU's time-stamp counter (a third of the steady
-// clock's cost) and turned into steady-clock nanoseconds only by snapshot(), counting back
-// from now at core/waits.h's nsPerTick(); an operation that starts as it
-// is recorded (run inline on an idle communicator) reads the clock once for both.
+// the next id (reserve), owns slot id % capacity, marks its version odd while it copies the
+// header's fields in, then even (2 * id + 2) once it is whole (fill). An operation run at once
+// on one host has its slot filled later than its id was taken: once its header is out, while
+// the rank waits for its peers (Communicator::writeDeferredTrace), away from the communicator's
+// lock. A reader (snapshot, any thread) copies a slot between two loads of its version and
+// keeps the copy only when both are the same even number (a seqlock). started() and
+// finished() touch only atomics, and only while the slot still holds their id. Times are read
+// from the CPU's time-stamp counter (a third of the steady clock's cost) and turned into
+// steady-clock nanoseconds only by snapshot(), counting back from now at core/waits.h's
+// nsPerTick(); an operation that starts as it is recorded (run inline on an idle
+// communicator) reads the clock once for both: when it is filled, for one filled later.
 //
 // Process-wide, next to the recorders: the table of Python frames (bindings.cpp interns them
 // and hands the engine an id), the calling thread's frame for the next operation, and the
@@ -71,6 +74,12 @@ class FlightRecorder {
   // returns its id for started()/finished(). Callers serialize (the communicator's mutex).
   uint64_t record(const OpHeader& header, uint32_t frame, bool startsNow, bool p2p = false, int peer = -1,
                   int64_t tag = 0);
+  // record() in two steps, for an operation that runs at once: reserve() takes its id (callers
+  // serialize, as for record()); fill() writes its slot later, on any one thread, before
+  // started()/finished() of that id (until then snapshot() leaves the id out).
+  uint64_t reserve();
+  void fill(uint64_t id, const OpHeader& header, uint32_t frame, bool startsNow, bool p2p = false, int peer = -1,
+             int64_t tag = 0);
   void started(uint64_t id);
   void finished(uint64_t id, bool ok);
   // The recorded operations, oldest first (a slot being rewritten right now is left out).

@@ -305,6 +305,7 @@ void ShmGroup::exchangeHeadersWithData(const OpHeader& header, const char* data,
   }
   table(me, header.seq)[opt_.localRanks[me]] = header;
   arrive();
+  if (onArrived_) onArrived_();
   waitAll();
   for (int i = 0; i < localSize(); ++i) {
     headers[opt_.localRanks[i]] = table(i, header.seq)[opt_.localRanks[i]];

@@ -11,6 +11,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -95,6 +96,10 @@ class ShmGroup {
   // follows: one synchronization for both. The data stays staged for allreduce(), which then
   // only reduces; a mismatch found in `headers` leaves `data` untouched.
   void exchangeHeadersWithData(const OpHeader& header, const char* data, std::vector<OpHeader>& headers);
+  // Called by every header exchange right after this rank's header is out and before it
+  // waits for its peers' (the communicator writes its flight recorder entry there, where that
+  // work overlaps the wait instead of lengthening the operation).
+  void setOnArrived(std::function<void()> hook) { onArrived_ = std::move(hook); }
   // Leader side of a multi-host header exchange: publishes the full table to the group.
   void publishAllHeaders(const std::vector<OpHeader>& headers);
   // Non-leader side: waits for the leader's table and copies it.
@@ -204,6 +209,7 @@ class ShmGroup {
   bool hasCurrent_ = false;
   std::string currentWhat() const { return hasCurrent_ ? current_.what() : std::string(); }
   std::shared_ptr<Arena> arena_;
+  std::function<void()> onArrived_;  // setOnArrived
 };
 
 }  // namespace torchring
