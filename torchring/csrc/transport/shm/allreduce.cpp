@@ -61,7 +61,7 @@ void ShmGroup::allreduce(char* data, size_t count, DType dtype, ReduceOp op, dou
   const size_t segmentElems = opt_.segmentBytes / esize;
   placeKnown(headers);
   const bool oneShot = count * esize <= opt_.oneShotBytes;
-  std::vector<const void*> srcs(n);
+  auto& srcs = srcs_;
   for (size_t start = 0; start < count; start += segmentElems) {
     const size_t len = std::min(segmentElems, count - start);
     const int buf = nextBuffer();
@@ -112,7 +112,7 @@ void ShmGroup::reduceStaged(char* data, size_t count, DType dtype, ReduceOp op, 
   const int n = localSize(), buf = prestaged_;
   prestaged_ = -1;
   placeOwn(headers);
-  std::vector<const void*> srcs(n);
+  auto& srcs = srcs_;
   // This rank's own values are still in its tensor (nothing wrote it since they were staged):
   // read them there, one stream less. The order of the sources, and so the result, is the
   // same on every rank.
@@ -142,7 +142,7 @@ void ShmGroup::allreduceZeroCopy(char* data, size_t count, DType dtype, ReduceOp
   }
   auto [lo, hi] = chunkOf(me, n, count, esize);
   const int peer = n > 1 ? (me + 1) % n : me;
-  std::vector<const void*> srcs(n);
+  auto& srcs = srcs_;
   const size_t step = std::max<size_t>(1, kPushBytes / esize);
   for (size_t start = lo; start < hi; start += step) {
     // A peer that gave up (another rank failed) may already reuse its tensor: stop writing.

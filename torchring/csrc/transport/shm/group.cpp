@@ -62,6 +62,7 @@ ShmGroup::ShmGroup(ShmOptions options) : opt_(std::move(options)), stores_(opt_.
   arenaOffset_ = p2pOffset_ + opt_.localRanks.size() * kP2PRingBytes;
   mappings_.resize(opt_.localRanks.size());
   shift_.resize(opt_.localRanks.size());
+  srcs_.resize(opt_.localRanks.size());
 }
 
 ShmGroup::~ShmGroup() { unlinkOwn(); }

@@ -203,6 +203,7 @@ class ShmGroup {
   bool prestagedStreamed_ = false;        // how the prestaged copy-in was written
   Clock::time_point prestagedStart_{};    // when it began, from StoreChooser::kMinBytes (the call is timed)
   std::vector<uint16_t> shift_;  // per local index: where this allreduce is staged (staged())
+  std::vector<const void*> srcs_;  // per local index: what a reduce reads (one operation at a time)
   int ownCpus_ = 0;              // CPUs in this process's affinity mask
   bool onProgressThread_ = false;
   OpHeader current_;             // the operation in progress, named by failure messages
