@@ -310,9 +310,10 @@ std::shared_ptr<CpuWork> Communicator::enqueue(Op item, bool runInline, bool han
   item.header.seq = nextSeq_++;
   const bool runNow = runInline && queue_.empty() && !busy_ && !stopping_;
   // One that runs now on one host, where its first step is the shared-memory header exchange:
-  // its entry's slot is written there, once this rank's header is out (writeDeferredTrace):
-  // that work then overlaps the wait for the peers, which a small operation spends most of its
-  // time in, instead of adding to it. Its times then start at that moment.
+  // its entry's slot is written there, once this rank's header is out (writeDeferredTrace),
+  // away from this lock and where the stores can overlap the wait for the peers (a point of a
+  // 4 KiB allreduce's time, benchmarks/RESULTS.md). Its times then start at that moment. It is
+  // written before the rank can block, so a hang still shows it.
   item.traceId = recorder_->reserve();
   if (runNow && shm_ && numHosts() == 1 && recorder_->enabled()) {
     item.traceDeferred = true;

@@ -79,7 +79,7 @@ class FlightRecorder {
   // started()/finished() of that id (until then snapshot() leaves the id out).
   uint64_t reserve();
   void fill(uint64_t id, const OpHeader& header, uint32_t frame, bool startsNow, bool p2p = false, int peer = -1,
-             int64_t tag = 0);
+            int64_t tag = 0);
   void started(uint64_t id);
   void finished(uint64_t id, bool ok);
   // The recorded operations, oldest first (a slot being rewritten right now is left out).

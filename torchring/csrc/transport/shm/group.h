@@ -98,7 +98,7 @@ class ShmGroup {
   void exchangeHeadersWithData(const OpHeader& header, const char* data, std::vector<OpHeader>& headers);
   // Called by every header exchange right after this rank's header is out and before it
   // waits for its peers' (the communicator writes its flight recorder entry there, where that
-  // work overlaps the wait instead of lengthening the operation).
+  // work can overlap the wait).
   void setOnArrived(std::function<void()> hook) { onArrived_ = std::move(hook); }
   // Leader side of a multi-host header exchange: publishes the full table to the group.
   void publishAllHeaders(const std::vector<OpHeader>& headers);
