@@ -17,7 +17,7 @@ namespace torchring {
 void ShmGroup::reduceToLeader(const char* data, size_t count, DType dtype, ReduceOp op, void* out) {
   const int n = localSize(), me = opt_.localIndex;
   const size_t esize = elementSize(dtype), segmentElems = opt_.segmentBytes / esize;
-  std::vector<const void*> srcs(n);
+  auto& srcs = srcs_;
   for (size_t start = 0; start < count; start += segmentElems) {
     const size_t len = std::min(segmentElems, count - start);
     const int buf = nextBuffer();
@@ -46,7 +46,7 @@ void ShmGroup::reduceScatter(const char* input, char* out, size_t count, DType d
   const int n = localSize(), me = opt_.localIndex;
   const size_t esize = elementSize(dtype), chunkElems = count / n;
   const size_t pieceElems = std::max<size_t>(1, opt_.segmentBytes / esize / n);
-  std::vector<const void*> srcs(n);
+  auto& srcs = srcs_;
   for (size_t o = 0; o < chunkElems; o += pieceElems) {
     const size_t len = std::min(pieceElems, chunkElems - o);
     const int buf = nextBuffer();
