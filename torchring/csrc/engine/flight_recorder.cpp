@@ -119,8 +119,8 @@ void FlightRecorder::fill(uint64_t id, const OpHeader& header, uint32_t frame, b
   slot.finishedAt.store(0, std::memory_order_relaxed);
   slot.version.store(2 * id + 2, std::memory_order_release);
   // The next slot, written at the next operation, into the cache now: a store that misses is
-  // cheap until the next locked instruction (the communicator's mutex, right after), which
-  // waits for it to reach memory; a prefetch is not waited for.
+  // cheap until the next locked instruction (for record(), the communicator's mutex, right
+  // after), which waits for it to reach memory; a prefetch is not waited for.
   const Slot* ahead = &slots_[(id + 1) % capacity_];
   __builtin_prefetch(ahead, 1, 3);
   __builtin_prefetch(reinterpret_cast<const char*>(ahead) + 64, 1, 3);
