@@ -52,7 +52,9 @@ PORT = 29500
 
 
 def _timed(allreduce: Any, barrier: Any, t: torch.Tensor, iters: int) -> tuple[float, float]:
-    """Seconds per call, and this process's CPU seconds (user + system, every thread) per call."""
+    """Seconds per call, and this process's CPU seconds (user + system, every thread) per call,
+    after one untimed call (a warm-up: each library's trial follows the others')."""
+    allreduce(t)
     barrier()
     start, cpu = time.perf_counter(), time.process_time()
     for _ in range(iters):
