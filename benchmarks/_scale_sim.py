@@ -39,12 +39,20 @@ Two engines run a plan and return every leader's finish time:
   sends at the rate they refill). The buckets start empty, as in a loop of back-to-back
   operations (what benchmarks/scaleout.py times), which drains them: each refills only while
   its uplink idles within an operation. A real NIC has no bucket: the projection runs with none.
+  With ``switch_a`` or ``switch_b`` > 0 the switch forwards one packet at a time, as the test
+  hosts' router does on its one thread (scale_model.py --validate, with the router's own
+  timing of its reads and writes: tests/support/_latency.forwarding_cost): a message is
+  ceil(n / ``mss``) packets, each taking the switch ``switch_a`` + ``switch_b`` per byte; it
+  reaches its receiver once the switch has forwarded all of them, in the order messages end on
+  their links, and no earlier than one packet's time after its own end (the switch forwards a
+  long message's packets while the rest are still on the wire). A switch that keeps up with
+  its links, as a real one does, costs nothing: the projection runs with none.
 - ``simulate_simgrid``: the same plan replayed by SimGrid's S4U actors (put/get on mailboxes,
   made eager with ``set_receiver`` unless ``eager=False``) on a cluster of split-duplex private links, under the CM02
   flow model with no TCP corrections, so both engines mean the same thing and can check each
-  other (tests/unit/test_scale_model.py). Star platform only. Debian's python3-simgrid builds
-  the module for the system Python, SimGrid allows one engine per process, and its Python
-  bindings run every actor on an OS thread (contexts/factory: thread): so each run is a child
+  other (tests/unit/test_scale_model.py). Star platform only, no token buckets, no switch time.
+  Debian's python3-simgrid builds the module for the system Python, SimGrid allows one engine
+  per process, and its Python bindings run every actor on an OS thread (contexts/factory: thread): so each run is a child
   process of /usr/bin/python3 (this file's ``__main__``), and it is slow: about 135 µs per
   leader-step on the 2-vCPU VM (a 256-host ring of 1 MB, 130k leader-steps, took 17.6 s; a
   1024-host ring, 2M leader-steps, would take about 5 minutes per point). The flow simulator
@@ -91,6 +99,9 @@ class Net:
     eager: bool = True  # a message flows when sent (TCP's buffers); False: once its receive is posted
     group_extra: float = 0.0  # seconds a group of steps that run at once costs beyond one step's s
     bucket: float = 0.0  # bytes of a token bucket on each uplink (tc's tbf on the test hosts); 0: none
+    switch_a: float = 0.0  # seconds the switch spends on each packet it forwards, one at a time; 0: none
+    switch_b: float = 0.0  # and per byte of it
+    mss: int = 64960  # bytes of a message per packet (the test hosts' TUN MTU less the IP and TCP headers)
 
     @property
     def alpha(self) -> float:
@@ -265,11 +276,12 @@ def plan_steps(plans: list[list[Step]]) -> int:
 # ---------------------------------------------------------------- the flow simulator
 
 class _Flow:
-    __slots__ = ("src", "dst", "links", "left", "rate", "since", "version")
+    __slots__ = ("src", "dst", "links", "left", "rate", "since", "version", "size", "began")
 
     def __init__(self, src: int, dst: int, links: tuple[int, ...], nbytes: float) -> None:
         self.src, self.dst, self.links, self.left = src, dst, links, nbytes
         self.rate, self.since, self.version = 0.0, 0.0, 0
+        self.size, self.began = nbytes, 0.0
 
 
 def _links(hosts: int, net: Net) -> tuple[list[float], Any]:
@@ -326,7 +338,8 @@ def simulate(plans: list[list[Step]], net: Net, starts: list[float] | None = Non
         seq += 1
         heapq.heappush(events, (t, seq, kind, a, b))
 
-    STEP, START, END = 0, 1, 2
+    STEP, START, END, ARRIVE = 0, 1, 2, 3
+    switch_free = 0.0  # when the switch has forwarded every packet handed to it so far
     grouped = [groups(p) for p in plans]
     pos = [0] * hosts  # the current group
     post = [0.0] * hosts  # when the current step's message was posted (after s)
@@ -348,6 +361,13 @@ def simulate(plans: list[list[Step]], net: Net, starts: list[float] | None = Non
             folded = sum(step[4] for step in grouped[m][pos[m]])
             pos[m] += 1
             push(done[m] + net.gamma * folded, STEP, m)
+
+    def arrive(f: _Flow, t: float) -> None:
+        if f.src in waiting[f.dst]:
+            waiting[f.dst].discard(f.src)
+            part_done(f.dst, max(post[f.dst], t))
+        else:
+            mail.setdefault((f.src, f.dst), deque()).append(t)
 
     for m in range(hosts):
         push(starts[m] if starts else 0.0, STEP, m)
@@ -401,7 +421,7 @@ def simulate(plans: list[list[Step]], net: Net, starts: list[float] | None = Non
             part_done(m, t0)
         elif kind == START:
             f = a
-            f.since = t
+            f.since = f.began = t
             if net.bucket > 0:  # the uplink's tokens send the message's first bytes at once
                 up = f.links[0]
                 if not on_link[up]:  # refilled while idle, up to now
@@ -416,7 +436,7 @@ def simulate(plans: list[list[Step]], net: Net, starts: list[float] | None = Non
             for l in f.links:
                 on_link[l].add(f)
                 dirty.add(l)
-        else:  # END
+        elif kind == END:
             f = a
             if b != f.version:
                 continue
@@ -426,11 +446,16 @@ def simulate(plans: list[list[Step]], net: Net, starts: list[float] | None = Non
             if not on_link[f.links[0]]:
                 idle_since[f.links[0]] = t
             part_done(f.src, t)
-            if f.src in waiting[f.dst]:
-                waiting[f.dst].discard(f.src)
-                part_done(f.dst, max(post[f.dst], t))
+            if net.switch_a > 0 or net.switch_b > 0:  # the switch forwards its packets in turn
+                packets = max(1, math.ceil(f.size / net.mss))
+                last = net.switch_a + net.switch_b * min(f.size, net.mss)
+                switch_free = max(max(switch_free, f.began) + packets * net.switch_a + net.switch_b * f.size,
+                                  t + last)
+                push(switch_free, ARRIVE, f)
             else:
-                mail.setdefault((f.src, f.dst), deque()).append(t)
+                arrive(f, t)
+        else:  # ARRIVE: the message is in its receiver's host
+            arrive(a, t)
     stuck = [m for m in range(hosts) if pos[m] < len(grouped[m])]
     if stuck:
         raise RuntimeError(f"the plan deadlocks: leaders {stuck[:8]} stopped at groups {[pos[m] for m in stuck[:8]]}")
@@ -495,6 +520,8 @@ def simulate_simgrid(plans: list[list[Step]], net: Net, starts: list[float] | No
         raise ValueError("the SimGrid replay models one non-blocking switch only (leaf = 0)")
     if net.bucket > 0:
         raise ValueError("the SimGrid replay has no token buckets (bucket = 0)")
+    if net.switch_a > 0 or net.switch_b > 0:
+        raise ValueError("the SimGrid replay has no switch time (switch_a = switch_b = 0)")
     job = {"plans": plans, "bandwidth": net.bandwidth, "latency": net.latency, "overhead": net.overhead,
            "group_extra": net.group_extra,
            "gamma": net.gamma, "eager": net.eager, "starts": starts or [0.0] * len(plans)}

@@ -32,6 +32,10 @@ rate_bits (1/beta when null), D from latency_us, s = alpha - D (the measured α 
 step) unless --overhead-us is given, the measured gamma; a shaped row's uplinks are the token
 buckets tc's tbf makes of the test hosts' links (tests/support/_hosts.py tbf_burst: 100 KB at
 200 Mbit/s, so after a pause a smaller message leaves at the unshaped speed; --no-bucket: none);
+and its switch forwards one packet at a time (the latency router's one thread: a + b·bytes per
+packet, switch_a and switch_b, from its own timing of its reads and writes during the run; at 16
+hosts it carries a burst of 48 one-packet messages per Multiplying group; --no-switch: none; an
+unshaped row has none either, its β being measured through the router already);
 an "auto" row replays the algorithm it names as chosen (else what E.choose_allreduce picks from the measured α, β, γ). 16-bit rows count 4-byte
 elements (the engine folds float32 partial sums; its 16-bit copy steps move half of that).
 
@@ -240,6 +244,7 @@ def plot(rows: list[dict], path: str, latency: float, goal: float) -> None:
 def validate(E: Any, a: argparse.Namespace, measured: list[dict]) -> list[dict]:
     """Predicted against measured seconds for every torchring row of scaleout.py's JSON."""
     from _hosts import tbf_burst  # the test hosts' shaping (tests/support), for shaped rows
+    from _latency import TUN_MTU  # the test hosts' packets, for the switch
 
     rows, shm = [], sim.Shm(a.shm_a * 1e-6, a.shm_bw * 1e9)
     for m in measured:
@@ -254,7 +259,10 @@ def validate(E: Any, a: argparse.Namespace, measured: list[dict]) -> list[dict]:
         bw = m["rate_bits"] / 8 if m.get("rate_bits") else 1.0 / m["beta"]
         extra = max(m.get("alpha_group", m["alpha"]) - m["alpha"], 0.0)  # what a group costs beyond a step
         bucket = tbf_burst(int(m["rate_bits"])) if m.get("rate_bits") and not a.no_bucket else 0
-        net = sim.Net(bw, lat, s, m["gamma"], 0, 1.0, not a.rendezvous, extra, bucket)
+        # Unshaped, the link is the router itself (β measured through it): no switch on top.
+        shaped = bool(m.get("rate_bits")) and not a.no_switch
+        switch = (m.get("switch_a") or 0.0, m.get("switch_b") or 0.0) if shaped else (0.0, 0.0)
+        net = sim.Net(bw, lat, s, m["gamma"], 0, 1.0, not a.rendezvous, extra, bucket, *switch, TUN_MTU - 40)
         forced = m["algo"]
         algo = m.get("chosen") or E.choose_allreduce(forced, hosts, count, esize, m["alpha"], m["beta"], m["gamma"],
                                                      net.alpha_group, staged=per_host > 1)
@@ -307,6 +315,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tolerance", type=float, default=0.15, help="--validate: 'within' (default 0.15)")
     p.add_argument("--no-bucket", action="store_true",
                    help="--validate: shaped rows' links without the test hosts' tbf bucket")
+    p.add_argument("--no-switch", action="store_true",
+                   help="--validate: no time for the test hosts' router to forward each packet")
     p.add_argument("--plot", default=os.path.join(_HERE, "scale_model.png"), help="the PNG ('none': no plot)")
     common_args(p, quick="16..128 hosts, sizes 4 B..64 MiB in steps of 16x")
     a = p.parse_args(argv)

@@ -21,10 +21,13 @@ between trials on every rank alike), and gloo. A trial's time is the max over ra
 per call; the table shows the median over trials. "tr cpu/cores" is the CPU every rank's process
 spent per "tr auto" call (user and system time, summed over the ranks; the median trial) over this
 machine's cores: where the test hosts share a few cores, no allreduce can take less, whatever
-its latency path (the router's CPU comes on top). Open MPI's ranks run the same sizes in a
-second job under mpirun (its daemons reach the other hosts through an rsh agent,
-tests/support/_rsh.py) with the same calibration and trials. "goal" is 2·ceil(log2 H)·D, the
-latency target for a 4 B-8 KiB allreduce; "best peer/tr" above 1: torchring's choice is faster.
+its latency path (the router's CPU comes on top). How long the router's one thread holds up each
+packet it forwards (a + b·bytes, from its timed reads and writes during the torchring and gloo
+job: ``switch_a``, ``switch_b``) goes into the JSON for scale_model.py --validate. Open MPI's
+ranks run the same sizes in a second job under mpirun (its daemons reach the other hosts
+through an rsh agent, tests/support/_rsh.py) with the same calibration and trials. "goal" is
+2·ceil(log2 H)·D, the latency target for a 4 B-8 KiB allreduce; "best peer/tr" above 1:
+torchring's choice is faster.
 """
 
 from __future__ import annotations
@@ -246,6 +249,7 @@ def main() -> None:
     if a.quick:
         a.hosts, a.sizes, a.trials, a.trial_s = "4,16", "4,8K", 3, 0.2
     from _hosts import can_make_hosts, hosts
+    from _latency import forwarding_cost
     from _peers import available
     from torchring._core import build as _build
 
@@ -267,13 +271,16 @@ def main() -> None:
     for n in map(int, a.hosts.split(",")):
         try:
             with hosts(n, rate=rate, latency_us=a.latency_us) as hs:
+                before = hs[0].router.stats()
                 got = run_job(hs, a)
+                switch_a, switch_b, _ = forwarding_cost(before, hs[0].router.stats())
                 mpi = {} if mpi_why else {r["bytes"]: r for r in run_mpi(hs, a)}
         except pytest.skip.Exception as e:
             raise SystemExit(f"cannot make test hosts: {e}") from None
         for r in got:
             r.update(mpi.get(r["bytes"], {}), hosts=n, per_host=a.per_host, latency_us=a.latency_us,
-                     rate=rate, goal=2 * math.ceil(math.log2(n)) * a.latency_us * 1e-6)
+                     rate=rate, goal=2 * math.ceil(math.log2(n)) * a.latency_us * 1e-6,
+                     switch_a=switch_a, switch_b=switch_b)
             rows.append(r)
         print_table([r for r in rows if r["hosts"] == n], libs)
     print()
@@ -293,7 +300,8 @@ def _long(rows: list[dict], libs: list[str]) -> list[dict]:
                 out.append({"library": library, "algo": algo, "chosen": r["chosen"] if algo == "auto" else algo,
                             "hosts": r["hosts"], "per_host": r["per_host"], "bytes": r["bytes"],
                             "seconds": r[lib], "cpu_s": r.get(lib + " cpu"), "latency_us": r["latency_us"],
-                            "rate_bits": parse_rate(r["rate"]) if r["rate"] else None, **r["cost"]})
+                            "rate_bits": parse_rate(r["rate"]) if r["rate"] else None,
+                            "switch_a": r["switch_a"], "switch_b": r["switch_b"], **r["cost"]})
     return out
 
 

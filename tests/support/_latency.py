@@ -17,11 +17,33 @@ import signal
 import subprocess
 import time
 
-__all__ = ["Router", "can_route", "router_binary", "ROUTER_SOURCE", "TUN_MTU"]
+__all__ = ["Router", "can_route", "forwarding_cost", "router_binary", "ROUTER_SOURCE", "TUN_MTU"]
 
 ROUTER_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "latency_router.c")
 # Large packets: few of them per byte, so the router's per-packet cost (two syscalls) stays small.
 TUN_MTU = 65000
+
+
+def forwarding_cost(before: dict[str, int], after: dict[str, int]) -> tuple[float, float, int]:
+    """How long the router's one thread holds each packet of n bytes up, a + b * n (seconds,
+    seconds per byte), from two ``Router.stats()`` taken around some traffic; and the packets.
+
+    latency_router.c times every read() and write(); here each gets its least-squares line. A
+    packet is read when it comes and written D later, so a burst's reads and writes pipeline
+    across the wire delay: the last packet of k leaves about k times the slower stage's time
+    after the first. That stage's line (the one costlier at the mean packet size) is the answer.
+    """
+    lines = []
+    for d in ("read", "write"):
+        n, x, t, xx, xt = (after[f"{d}_{k}"] - before[f"{d}_{k}"] for k in ("n", "len", "ns", "len2", "len_ns"))
+        if n == 0:
+            return 0.0, 0.0, 0
+        spread = n * xx - x * x
+        slope = max((n * xt - x * t) / spread if spread > 0 else 0.0, 0.0)  # a falling line is noise
+        a = max((t - slope * x) / n, 0.0)
+        lines.append((a + slope * x / n, a * 1e-9, slope * 1e-9))
+    _, a, b = max(lines)
+    return a, b, after["write_n"] - before["write_n"]
 
 
 def can_route() -> str | None:

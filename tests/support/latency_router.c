@@ -33,6 +33,14 @@
  * packets that are not IPv4 or are for no host (unroutable) and those from or to a host whose
  * cable is pulled (dropped_down).
  *
+ * The forwarding cost: the router times each read() and write() of a packet (CLOCK_MONOTONIC
+ * around the call; the router runs alone on its core under SCHED_FIFO, so that is its own work,
+ * the receiving host's network stack included: a write() to a TUN device delivers the packet
+ * into its host's stack in the writer's context). For reads and for writes apart it keeps the
+ * sums a least-squares line t = a + b * len needs (count, len, t, len^2, len * t), so the test
+ * harness can tell how long a packet of any size holds the one router thread up
+ * (_latency.forwarding_cost; benchmarks/scale_model.py --validate models the switch with it).
+ *
  * Control: stdin takes the lines "down I" and "up I" (pull or plug host I's cable: its device
  * loses or regains its carrier and its packets are dropped both ways) and "stats"; each gets one
  * line on stdout. EOF on stdin, SIGTERM, SIGINT or the death of the parent process end the
@@ -71,6 +79,8 @@ static unsigned char *ring, scratch[MAX_PKT];
 static size_t cap, head, tail, wrap_at, queued;
 static unsigned long long rx, tx, dropped_full, unroutable, dropped_down, write_errors;
 static unsigned long long late_ns_sum, late_ns_max;
+/* Per direction (0: read, 1: write): count, sum of len, of ns, of len^2 and of len * ns. */
+static unsigned long long cost_n[2], cost_len[2], cost_ns[2], cost_len2[2], cost_len_ns[2];
 static volatile sig_atomic_t stop;
 
 static uint64_t now_ns(void) {
@@ -84,10 +94,23 @@ static void on_signal(int sig) { (void)sig; stop = 1; }
 static void die(const char *what) { perror(what); exit(1); }
 
 static void stats(char *out, size_t size) {
-    snprintf(out, size, "rx %llu tx %llu dropped_full %llu unroutable %llu dropped_down %llu "
-             "write_errors %llu queued %zu late_ns_sum %llu late_ns_max %llu early_ns %llu\n",
-             rx, tx, dropped_full, unroutable, dropped_down, write_errors, queued, late_ns_sum,
-             late_ns_max, (unsigned long long)early_ns);
+    int used = snprintf(out, size, "rx %llu tx %llu dropped_full %llu unroutable %llu dropped_down %llu "
+                        "write_errors %llu queued %zu late_ns_sum %llu late_ns_max %llu early_ns %llu",
+                        rx, tx, dropped_full, unroutable, dropped_down, write_errors, queued, late_ns_sum,
+                        late_ns_max, (unsigned long long)early_ns);
+    for (int d = 0; d < 2 && used > 0 && (size_t)used < size; d++) {
+        const char *w = d ? "write" : "read";
+        used += snprintf(out + used, size - (size_t)used, " %s_n %llu %s_len %llu %s_ns %llu %s_len2 %llu "
+                         "%s_len_ns %llu", w, cost_n[d], w, cost_len[d], w, cost_ns[d], w, cost_len2[d],
+                         w, cost_len_ns[d]);
+    }
+    if (used > 0 && (size_t)used + 1 < size)
+        out[used] = '\n', out[used + 1] = 0;
+}
+
+/* One packet of len bytes moved in ns (d 0: read, 1: write). */
+static void cost(int d, uint64_t len, uint64_t ns) {
+    cost_n[d]++, cost_len[d] += len, cost_ns[d] += ns, cost_len2[d] += len * len, cost_len_ns[d] += len * ns;
 }
 
 /* The ring's place for the next packet, or NULL when the ring is full. Unwrapped (wrap_at == cap)
@@ -130,7 +153,7 @@ static void flush(void) {
         if (down[r->dst])
             dropped_down++;
         else if (write(tun[r->dst], r->data, r->len) == (ssize_t)r->len)
-            tx++;
+            tx++, cost(1, r->len, now_ns() - now);
         else
             write_errors++;
         head += REC_SIZE(r->len);
@@ -145,6 +168,7 @@ static void flush(void) {
 static int receive(struct pollfd *pfd, int i) {
     struct rec *r = room();
     unsigned char *buf = r ? r->data : scratch;
+    uint64_t start = now_ns();
     ssize_t len = read(pfd->fd, buf, MAX_PKT);
     if (len < 0) {
         if (errno != EAGAIN && errno != EINTR) {
@@ -154,6 +178,7 @@ static int receive(struct pollfd *pfd, int i) {
         return 0;
     }
     rx++;
+    cost(0, (uint64_t)len, now_ns() - start);
     int dst = route(buf, len);
     if (!r)
         dropped_full++;
@@ -182,7 +207,7 @@ static int control(void) {
     if (got <= 0)
         return got < 0 && (errno == EAGAIN || errno == EINTR);
     have += (size_t)got;
-    char *nl, out[256];
+    char *nl, out[1024];
     while ((nl = memchr(line, '\n', have))) {
         *nl = 0;
         int i = -1, on = -1;
@@ -290,7 +315,7 @@ int main(int argc, char **argv) {
                 for (int k = 0; k < BATCH && receive(&pfd[i], i); k++)
                     flush();
     }
-    char out[256];
+    char out[1024];
     stats(out, sizeof out);
     fprintf(stderr, "latency_router: %s", out);
     return 0;

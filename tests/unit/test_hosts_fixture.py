@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from _hosts import Host, host_addr, hosts, hosts_file, parse_rate
+from _latency import TUN_MTU, forwarding_cost
 
 
 @pytest.mark.parametrize("text, bits", [("1gbit", 10**9), ("500mbit", 5 * 10**8),
@@ -151,8 +152,31 @@ def test_latency_four_hosts_pinging_at_once() -> None:
 
 def test_latency_tcp_arrives_intact() -> None:
     with hosts(2, latency_us=D_US) as hs:
+        before = hs[0].router.stats()
         bps = _transfer(hs[0], hs[1], 32 << 20)
         assert bps > 200e6, f"32 MiB through the router at {bps / 1e6:.0f} Mbit/s"
+        # The router timed what it forwarded: at least the 32 MiB in packets of at most the MTU,
+        # each holding its thread up for some time (a + b * bytes).
+        a, b, packets = forwarding_cost(before, hs[0].router.stats())
+        assert packets >= (32 << 20) // TUN_MTU and a > 0 and b >= 0, (a, b, packets)
+        assert a + b * TUN_MTU < 0.01, f"{(a + b * TUN_MTU) * 1e6:.0f} us to forward one packet"
+
+
+def test_forwarding_cost_is_the_slower_stages_line() -> None:
+    def sums(d: str, points: list[tuple[int, int]]) -> dict[str, int]:
+        return {f"{d}_n": len(points), f"{d}_len": sum(x for x, _ in points), f"{d}_ns": sum(t for _, t in points),
+                f"{d}_len2": sum(x * x for x, _ in points), f"{d}_len_ns": sum(x * t for x, t in points)}
+
+    sizes = [100, 1500, 65000]
+    slow_writes = {**sums("read", [(x, 1000 + x // 2) for x in sizes]), **sums("write", [(x, 5000 + x) for x in sizes])}
+    zero = {k: 0 for k in slow_writes}
+    a, b, packets = forwarding_cost(zero, slow_writes)
+    assert packets == 3 and abs(a - 5e-6) < 1e-12 and abs(b - 1e-9) < 1e-15, (a, b)
+    # Reads the slower at the mean packet (22200 bytes): theirs, though their fixed part is less.
+    slow_reads = {**sums("read", [(x, 1000 + 2 * x) for x in sizes]), **sums("write", [(x, 5000 + x) for x in sizes])}
+    a, b, _ = forwarding_cost(zero, slow_reads)
+    assert abs(a - 1e-6) < 1e-12 and abs(b - 2e-9) < 1e-15, (a, b)
+    assert forwarding_cost(zero, zero) == (0.0, 0.0, 0)  # nothing forwarded: no cost to tell
 
 
 def test_latency_with_rate_still_shapes() -> None:

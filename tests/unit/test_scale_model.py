@@ -2,7 +2,8 @@
 one message costs s + D + n/B; a ring of 4 hosts with nothing shared equals the cost model's
 closed form; a small Doubling allreduce rides on a header exchange of Doubling's shape, Radix4
 and Multiplying on one of Multiplying's (groups of three at once); two flows into one
-downlink take twice as long, and a flow speeds up when the other ends; a thin spine is shared;
+downlink take twice as long, and a flow speeds up when the other ends; a switch that forwards
+one packet at a time (the test hosts' router) delays a burst; a thin spine is shared;
 a late leader delays the ring by its lateness. The SimGrid replay, where Debian's
 python3-simgrid is installed, agrees with the flow simulator; the header size and the riding
 limit are the engine's; --validate reads a measurement file and counts what it matches."""
@@ -91,6 +92,25 @@ def test_a_token_bucket_sends_a_messages_first_bytes_at_once_and_refills_while_i
     assert _close(paused[1], 1.0 + S + D + 0.75 * N / B), paused
     # ...and without a bucket nothing changes.
     assert _close(sim.simulate(_sends([(0, 1, N)], 2), NET)[1], S + D + N / B)
+
+
+def test_a_switch_that_forwards_one_packet_at_a_time_delays_a_burst() -> None:
+    # Two messages of one packet on separate links end on the wire together; the switch (the
+    # test hosts' router) hands the first over after one packet's time, the second after two.
+    # The senders are done once their bytes have left.
+    n, a, b = 1000, 7e-6, 0.5e-9
+    wire = S + D + n / B
+    switched = sim.Net(bandwidth=B, latency=D, overhead=S, switch_a=a, switch_b=b)
+    finish = sim.simulate(_sends([(0, 1, n), (2, 3, n)], 4), switched)
+    assert _close(finish[0], wire) and _close(finish[2], wire)
+    assert _close(min(finish[1], finish[3]), wire + a + b * n)
+    assert _close(max(finish[1], finish[3]), wire + 2 * (a + b * n))
+    # A message of three packets on a slow link: the switch forwards each as it comes, so only
+    # the last one's time follows the message's end on the wire.
+    slow = sim.Net(bandwidth=B, latency=D, overhead=S, switch_a=a, switch_b=b, mss=N // 3 + 1)
+    assert _close(sim.simulate(_sends([(0, 1, N)], 2), slow)[1], S + D + N / B + a + b * (N // 3 + 1))
+    # Without a switch's time nothing changes.
+    assert sim.simulate(_sends([(0, 1, n), (2, 3, n)], 4), NET) == [wire] * 4
 
 
 def test_two_flows_into_one_downlink_take_twice_as_long() -> None:
