@@ -35,8 +35,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import _harness
+
+if TYPE_CHECKING:  # torch is imported in the ranks only
+    import torch
 
 _ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,7 +85,7 @@ def inner() -> None:
     torchring.shutdown()
 
 
-def _interleaved(t: "torch.Tensor", pairs: int = 301, calls: int = 400) -> list[float]:
+def _interleaved(t: torch.Tensor, pairs: int = 301, calls: int = 400) -> list[float]:
     """[off µs, on µs, median of the pairs' on/off ratios]: the 4 KiB allreduce on two more
     communicators over the same ranks, one recording (TORCHRING_TRACE's default) and one not,
     timed in alternating trials of `calls` calls, so that the machine's slow and fast spells
