@@ -48,17 +48,18 @@ Two engines run a plan and return every leader's finish time:
   long message's packets while the rest are still on the wire). A switch that keeps up with
   its links, as a real one does, costs nothing: the projection runs with none.
 - ``simulate_simgrid``: the same plan replayed by SimGrid's S4U actors (put/get on mailboxes,
-  made eager with ``set_receiver`` unless ``eager=False``) on a cluster of split-duplex private links, under the CM02
-  flow model with no TCP corrections, so both engines mean the same thing and can check each
-  other (tests/unit/test_scale_model.py). Star platform only, no token buckets, no switch time.
-  Debian's python3-simgrid builds the module for the system Python, SimGrid allows one engine
-  per process, and its Python bindings run every actor on an OS thread (contexts/factory: thread): so each run is a child
-  process of /usr/bin/python3 (this file's ``__main__``), and it is slow: about 135 µs per
-  leader-step on the 2-vCPU VM (a 256-host ring of 1 MB, 130k leader-steps, took 17.6 s; a
-  1024-host ring, 2M leader-steps, would take about 5 minutes per point). The flow simulator
-  does about 5 µs per leader-step: the projection's replayed points, about 9.5M leader-steps,
-  take under a minute here and would take over 20 minutes under SimGrid. So the flow simulator
-  is the default and SimGrid its check (and an alternative engine for small runs).
+  made eager with ``set_receiver`` unless ``eager=False``) on a cluster of split-duplex private
+  links, under the CM02 flow model with no TCP corrections, so both engines mean the same thing
+  and can check each other (tests/unit/test_scale_model.py). Star platform only, no token
+  buckets, no switch time. Debian's python3-simgrid builds the module for the system Python,
+  SimGrid allows one engine per process, and its Python bindings run every actor on an OS
+  thread (contexts/factory: thread): so each run is a child process of /usr/bin/python3 (this
+  file's ``__main__``), and it is slow: about 135 µs per leader-step on the 2-vCPU VM (a
+  256-host ring of 1 MB, 130k leader-steps, took 17.6 s; a 1024-host ring, 2M leader-steps,
+  would take about 5 minutes per point). The flow simulator does about 5 µs per leader-step:
+  the projection's replayed points, about 9.5M leader-steps, take under a minute here and would
+  take over 20 minutes under SimGrid. So the flow simulator is the default and SimGrid its check
+  (and an alternative engine for small runs).
 """
 
 from __future__ import annotations
