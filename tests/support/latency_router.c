@@ -178,7 +178,8 @@ static int receive(struct pollfd *pfd, int i) {
         return 0;
     }
     rx++;
-    cost(0, (uint64_t)len, now_ns() - start);
+    uint64_t read_at = now_ns();
+    cost(0, (uint64_t)len, read_at - start);
     int dst = route(buf, len);
     if (!r)
         dropped_full++;
@@ -187,7 +188,7 @@ static int receive(struct pollfd *pfd, int i) {
     else if (down[i] || down[dst])
         dropped_down++;
     else {
-        r->due = now_ns() + delay_ns, r->len = (uint32_t)len, r->dst = dst;
+        r->due = read_at + delay_ns, r->len = (uint32_t)len, r->dst = dst;
         tail += REC_SIZE(len);
         queued++;
     }
