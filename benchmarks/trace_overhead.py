@@ -15,7 +15,9 @@ hits them alike). Each job times, on every rank:
   allreduce 4 KiB, interleaved
                     the same allreduce on two more communicators over the same ranks, one
                     recording and one not, in 301 alternating trials of 400 calls: the median
-                    of the trials' on/off ratios (a slow spell of the machine hits both alike)
+                    of the trials' on/off ratios (a slow spell of the machine hits both alike);
+                    once through the engine's call alone, once through torchring.allreduce as a
+                    user calls it (its fast path handed the communicator under test)
 With --aa neither interleaved communicator records (an A/A check: what the measure reads when
 nothing differs; at world 1 no rank waits for another, so the recorder's own cost stands alone).
 With --before DIR (a checkout of a commit before the recorder and the wait timing, its engine
@@ -81,15 +83,18 @@ def inner() -> None:
     if torchring.rank() == 0:
         print("RESULT " + json.dumps({"allreduce_us": mine[0].item(), "step_ms": mine[1].item(),
                                       "paired_off_us": mine[2].item(), "paired_on_us": mine[3].item(),
-                                      "paired_ratio": mine[4].item()}))
+                                      "paired_ratio": mine[4].item(), "public_off_us": mine[5].item(),
+                                      "public_on_us": mine[6].item(), "public_ratio": mine[7].item()}))
     torchring.shutdown()
 
 
 def _interleaved(t: torch.Tensor, pairs: int = 301, calls: int = 400) -> list[float]:
-    """[off µs, on µs, median of the pairs' on/off ratios]: the 4 KiB allreduce on two more
-    communicators over the same ranks, one recording (TORCHRING_TRACE's default) and one not,
-    timed in alternating trials of `calls` calls, so that the machine's slow and fast spells
-    (they last seconds) fall on both alike."""
+    """[off µs, on µs, median of the pairs' on/off ratios] twice: the 4 KiB allreduce on two
+    more communicators over the same ranks, one recording (TORCHRING_TRACE's default) and one
+    not, timed in alternating trials of `calls` calls, so that the machine's slow and fast spells
+    (they last seconds) fall on both alike; first through the engine's call, then through
+    torchring.allreduce (its fast path handed each communicator's call in turn)."""
+    import torchring
     from torchring._core import context as _context
 
     on = 0 if os.environ.get("TORCHRING_BENCH_AA") == "1" else _context.settings().trace or 512  # --aa: both off
@@ -97,22 +102,32 @@ def _interleaved(t: torch.Tensor, pairs: int = 301, calls: int = 400) -> list[fl
     for name, trace in (("off", 0), ("on", on)):
         engine, comms[name] = _harness.world_communicator(f"bench-{name}", trace)
         calls_of[name] = engine.allreduce_now_function(comms[name])
-    times: dict[str, list[float]] = {"off": [], "on": []}
+    state, world_call = _context._state, _context._state.allreduce_now
+    allreduce = torchring.allreduce
+    result: list[float] = []
     try:
-        for i in range(pairs):
-            for name in (("off", "on") if i % 2 == 0 else ("on", "off")):
-                run = calls_of[name]
-                for _ in range(200):
-                    run(t, 0)
-                start = time.perf_counter()
-                for _ in range(calls):
-                    run(t, 0)
-                times[name].append((time.perf_counter() - start) / calls * 1e6)
+        for public in (False, True):
+            times: dict[str, list[float]] = {"off": [], "on": []}
+            for i in range(pairs):
+                for name in (("off", "on") if i % 2 == 0 else ("on", "off")):
+                    run = state.allreduce_now = calls_of[name]
+                    for _ in range(200):
+                        run(t, 0)
+                    start = time.perf_counter()
+                    if public:
+                        for _ in range(calls):
+                            allreduce(t)
+                    else:
+                        for _ in range(calls):
+                            run(t, 0)
+                    times[name].append((time.perf_counter() - start) / calls * 1e6)
+            ratios = [on / off for on, off in zip(times["on"], times["off"])]
+            result += [statistics.median(times["off"]), statistics.median(times["on"]), statistics.median(ratios)]
     finally:
+        state.allreduce_now = world_call
         for c in comms.values():
             c.shutdown()
-    ratios = [on / off for on, off in zip(times["on"], times["off"])]
-    return [statistics.median(times["off"]), statistics.median(times["on"]), statistics.median(ratios)]
+    return result
 
 
 CONFIGS = {"off": {"TORCHRING_TRACE": "0"}, "no lines": {"TORCHRING_TRACE_FRAMES": "0"}, "on": {}}
@@ -158,7 +173,8 @@ def main() -> None:
         rounds.append(got)
         print(f"round {r}: " + ", ".join(f"{c} {got[c]['allreduce_us']:.3f} us / {got[c]['step_ms']:.3f} ms"
                                          for c in configs) +
-              "; interleaved " + ", ".join(f"{c} {got[c]['paired_ratio']:.3f}" for c in configs if "paired_ratio" in got[c]),
+              "; interleaved " + ", ".join(f"{c} {got[c]['paired_ratio']:.3f} / {got[c]['public_ratio']:.3f}"
+                                            for c in configs if "paired_ratio" in got[c]),
               flush=True)
     print("| measure | " + " | ".join(configs) + " | " +
           " | ".join(f"{c} / {base} [min..max]" for c in configs[1:]) + " |")
@@ -169,11 +185,13 @@ def main() -> None:
             ratios = [x[c][key] / x[base][key] for x in rounds]
             cells.append(f"{statistics.median(ratios):.3f} [{min(ratios):.3f}..{max(ratios):.3f}]")
         print(f"| {name} | " + " | ".join(cells) + " |")
-    paired = [x[c]["paired_ratio"] for x in rounds for c in configs if "paired_ratio" in x[c]]
-    print(f"| allreduce 4 KiB, interleaved in each job (recording / not, {len(paired)} jobs) | "
-          f"{statistics.median(x[c]['paired_off_us'] for x in rounds for c in configs if 'paired_off_us' in x[c]):.3f} us | "
-          f"{statistics.median(x[c]['paired_on_us'] for x in rounds for c in configs if 'paired_on_us' in x[c]):.3f} us | "
-          f"{statistics.median(paired):.3f} [{min(paired):.3f}..{max(paired):.3f}] |")
+    for key, name in (("paired", "the engine's call"), ("public", "torchring.allreduce")):
+        jobs = [x[c] for x in rounds for c in configs if f"{key}_ratio" in x[c]]
+        ratios = [j[f"{key}_ratio"] for j in jobs]
+        print(f"| allreduce 4 KiB through {name}, interleaved in each job (recording / not, {len(jobs)} jobs) | "
+              f"{statistics.median(j[f'{key}_off_us'] for j in jobs):.3f} us | "
+              f"{statistics.median(j[f'{key}_on_us'] for j in jobs):.3f} us | "
+              f"{statistics.median(ratios):.3f} [{min(ratios):.3f}..{max(ratios):.3f}] |")
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": info, "world": args.world, "rounds": rounds}, indent=1))
 
