@@ -2,8 +2,9 @@
 the last N operations in order, with their states, times and the Python line that issued them,
 each with its own shape, kind, root and seq whatever N and however many shapes came before,
 sends and receives with their own seq, peer and tag between collectives (world 2), records
-failures as failed, and records nothing when off. On a host of two ranks, an operation run at
-once is recorded while it waits for its peer, whole and with its line."""
+failures as failed, and records nothing when off. Each operation has its own line when calls
+move between places and threads. On a host of two ranks, an operation run at once is recorded
+while it waits for its peer, whole and with its line."""
 
 from __future__ import annotations
 
@@ -60,6 +61,75 @@ def test_the_last_n_operations_are_kept_in_order_with_their_line() -> None:
         assert (Path(file).name, at, function) == (Path(__file__).name, _line("# the line recorded"),
                                                   "test_the_last_n_operations_are_kept_in_order_with_their_line")
         assert frames[entries[2]["frame"]][1] == _line("# queued: recorded from here too")
+    finally:
+        comm.shutdown()
+
+
+def _fast(run: Any, t: torch.Tensor) -> None:
+    assert run(t, int(ReduceOp.SUM))  # the engine's fast call, as torchring.allreduce makes it
+
+
+def _other_fast(run: Any, t: torch.Tensor) -> None:
+    assert run(t, int(ReduceOp.SUM))
+
+
+def test_calls_from_changing_places_are_each_recorded_with_their_own_line() -> None:
+    # A call from the place of the last one is answered from the instructions its frames are
+    # at, without reading their code objects (bindings_trace.cpp, KeptWalk): calls that move
+    # between places, between the frames that lead to one place (two helpers called from the
+    # same line), and between the fast call (one call out) and the others must each be
+    # recorded with their own line.
+    ENGINE.set_trace_skip_prefixes([str(Path(torchring.__file__).parent) + os.sep])
+    comm = _comm("recorder-places", 64)
+    try:
+        run, t, expected = ENGINE.allreduce_now_function(comm), torch.ones(4), []
+        for i in range(12):
+            if i % 3 == 0:
+                _fast(run, t)  # place A
+                expected.append(_line("# place A"))
+            elif i % 3 == 1:
+                _fast(run, t)  # place B
+                expected.append(_line("# place B"))
+            else:
+                for helper in (_fast, _other_fast, _fast):
+                    helper(run, t)  # place C, through two helpers
+                    expected.append(_line("# place C, through two helpers"))
+            if i % 4 == 3:  # now and then, between the others
+                comm.submit(OpKind.ALLREDUCE, t, ReduceOp.SUM, -1, True).wait(10)  # place D
+                expected.append(_line("# place D"))
+        group, frames = _recorded("recorder-places")
+        got = [(Path(frames[e["frame"]][0]).name, frames[e["frame"]][1]) for e in group["entries"]]
+        assert got == [(Path(__file__).name, at) for at in expected]
+    finally:
+        comm.shutdown()
+
+
+def test_threads_calling_from_their_own_places_are_each_recorded_with_their_line() -> None:
+    # Two threads, each in its own loop, alternate on one communicator: each operation (its
+    # thread told by its shape) has its own thread's line, whatever the other called last.
+    ENGINE.set_trace_skip_prefixes([str(Path(torchring.__file__).parent) + os.sep])
+    comm = _comm("recorder-threads", 128)
+    turns = [threading.Semaphore(1), threading.Semaphore(0)]
+
+    def loop(me: int) -> None:
+        run, t = ENGINE.allreduce_now_function(comm), torch.ones(4 + me)
+        for _ in range(20):
+            assert turns[me].acquire(timeout=10)
+            if me == 0:
+                _fast(run, t)  # thread 0's place
+            else:
+                _fast(run, t)  # thread 1's place
+            turns[1 - me].release()
+
+    try:
+        threads = [threading.Thread(target=loop, args=(me,)) for me in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        group, frames = _recorded("recorder-threads")
+        got = [(e["shape"][0], frames[e["frame"]][1]) for e in group["entries"]]
+        assert got == [(4, _line("# thread 0's place")), (5, _line("# thread 1's place"))] * 20
     finally:
         comm.shutdown()
 
